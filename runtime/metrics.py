@@ -1,0 +1,84 @@
+"""Snapshots of what the engine measured: one per request, one for the whole engine.
+
+Both are plain dataclasses so that the agent, the store and the TUI can copy, serialise and
+compare them without reaching into engine internals. Times are milliseconds of wall clock
+(``time.perf_counter``) unless a name says otherwise.
+"""
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """What one request cost, from arrival to its last token."""
+
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_prefilled_tokens: int = 0  # prompt tokens actually computed (recomputes after preemption included)
+    queue_ms: float = 0.0  # arrival -> first scheduled
+    prefill_ms: float = 0.0  # first scheduled -> prompt fully computed
+    ttft_ms: float = 0.0  # arrival -> first generated token
+    num_generated_tokens: int = 0
+    decode_ms: float = 0.0  # first generated token -> last generated token
+    inter_token_ms: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens per second after the first one; 0 when fewer than two tokens were generated."""
+        if self.num_generated_tokens < 2 or self.decode_ms <= 0:
+            return 0.0
+        return (self.num_generated_tokens - 1) / (self.decode_ms / 1000.0)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        if self.num_prefilled_tokens == 0 or self.prefill_ms <= 0:
+            return 0.0
+        return self.num_prefilled_tokens / (self.prefill_ms / 1000.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["decode_tok_s"] = self.decode_tok_s
+        data["prefill_tok_s"] = self.prefill_tok_s
+        return data
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    """The engine's KV memory and prefix cache at one moment."""
+
+    block_size: int
+    num_blocks_total: int
+    num_blocks_used: int  # referenced by at least one live request
+    num_blocks_cached: int  # unreferenced but holding a reusable prefix
+    num_blocks_free: int  # unreferenced and empty
+    kv_tokens_in_use: int  # tokens stored in used blocks
+    kv_bytes_in_use: int  # bytes of the used blocks (whole blocks: that is what is reserved)
+    kv_pool_bytes: int
+    bytes_per_token: int
+    k_dtype: str
+    v_dtype: str
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    prefix_hittable_tokens: int  # the block-size floor: the most that could have hit
+    num_preemptions: int
+    max_batch_size: int  # most requests in one forward step so far
+    num_running: int
+    num_waiting: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        if self.prefix_queried_tokens == 0:
+            return 0.0
+        return self.prefix_hit_tokens / self.prefix_queried_tokens
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_blocks_used / self.num_blocks_total if self.num_blocks_total else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["prefix_hit_rate"] = self.prefix_hit_rate
+        data["kv_usage"] = self.kv_usage
+        return data
