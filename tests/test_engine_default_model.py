@@ -89,7 +89,7 @@ def test_prefix_cache_prefills_only_the_uncached_tokens(engine: Engine) -> None:
 
 
 def test_identical_prompt_recomputes_exactly_one_token_block(engine: Engine, prompt_ids) -> None:
-    ids = prompt_ids[0][:48]  # three full blocks: the last token must still be computed
+    ids = (prompt_ids[0] + prompt_ids[1])[:48]  # three full blocks: the last token must still run
     engine.reset_prefix_cache()
     engine.generate(ids, SamplingParams(max_tokens=2))
     again = engine.generate(ids, SamplingParams(max_tokens=2))[0]
@@ -148,3 +148,21 @@ def test_all_blocks_return_after_requests_finish(engine: Engine) -> None:
     assert stats.num_blocks_cached + stats.num_blocks_free == stats.num_blocks_total
     assert stats.kv_tokens_in_use == 0
     assert stats.bytes_per_token == 2 * 30 * 3 * 64 * 4
+
+
+def test_unused_allocation_is_at_most_one_partial_block_per_sequence(engine: Engine, prompt_ids) -> None:
+    block_size = engine.config.block_size
+    streams = [engine.stream(ids, SamplingParams(max_tokens=20, ignore_eos=True)) for ids in prompt_ids[:2]]
+    seen = 0
+    for _ in range(20):
+        for stream in streams:
+            next(stream)
+        stats = engine.stats()
+        # kv_bytes_in_use counts whole blocks; the tokens in them fall short by less than a block each.
+        slack_tokens = stats.kv_bytes_in_use // stats.bytes_per_token - stats.kv_tokens_in_use
+        assert 0 <= slack_tokens < stats.num_running * block_size
+        seen += 1
+    for stream in streams:
+        for _ in stream:
+            pass
+    assert seen == 20 and engine.stats().num_blocks_used == 0
