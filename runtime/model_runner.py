@@ -13,6 +13,7 @@ import torch
 
 from .attention import METADATA_KWARG, AttentionMetadata, DecodeBatch, PrefillSpan
 from .kv_cache import KVCache
+from .llama_forward import LlamaFamilyForward, supports
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -24,8 +25,12 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device, forward: str = "auto"
+    ) -> None:
         self.model = model
+        # The lean forward where it reproduces the model exactly; transformers' own otherwise.
+        self.lean_forward = LlamaFamilyForward(model) if forward == "auto" and supports(model) else None
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
@@ -83,15 +88,18 @@ class ModelRunner:
         ids = torch.tensor([input_ids], device=self.device)  # (1, T)
         pos = torch.tensor([positions], device=self.device)  # (1, T)
         keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=ids,
-            position_ids=pos,
-            use_cache=False,
-            logits_to_keep=keep_index,
-            **{METADATA_KWARG: meta},
-        )
-        logits = out.logits[0].float() if sampling else None  # (n, V)
-        return StepOutput(sampling, logits)
+        if self.lean_forward is not None:
+            logits = self.lean_forward(ids[0], pos[0], meta, keep_index)  # (n, V)
+        else:
+            out = self.model(
+                input_ids=ids,
+                position_ids=pos,
+                use_cache=False,
+                logits_to_keep=keep_index,
+                **{METADATA_KWARG: meta},
+            )
+            logits = out.logits[0]  # (n, V)
+        return StepOutput(sampling, logits.float() if sampling else None)
 
     def _decode_batch(self, index: list[int], slots: list[torch.Tensor]) -> DecodeBatch | None:
         if not index:

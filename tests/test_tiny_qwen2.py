@@ -14,12 +14,24 @@ def qwen2(tiny_qwen2_path: Path) -> Engine:
     return Engine(tiny_qwen2_path, kv_pool="4MiB", block_size=16, device="cpu")
 
 
+@pytest.fixture(scope="module")
+def qwen2_via_transformers(tiny_qwen2_path: Path) -> Engine:
+    """The same model through transformers' own modules and the attention hook only."""
+    return Engine(tiny_qwen2_path, kv_pool="4MiB", block_size=16, device="cpu", forward="transformers")
+
+
 def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     return [torch.randint(3, 40000, (n,), generator=g).tolist() for n in (5, 37, 80)]
 
 
-def test_greedy_equals_generate_and_batching_changes_nothing(qwen2: Engine) -> None:
+@pytest.mark.parametrize("path", ["lean", "transformers"])
+def test_greedy_equals_generate_and_batching_changes_nothing(
+    path: str, qwen2: Engine, qwen2_via_transformers: Engine
+) -> None:
+    if path == "transformers":
+        qwen2 = qwen2_via_transformers
+    assert (qwen2.runner.lean_forward is None) == (path == "transformers")
     assert qwen2.model.config.model_type == "qwen2"
     assert qwen2.model.model.layers[0].self_attn.q_proj.bias is not None
     params = SamplingParams(max_tokens=64, ignore_eos=True)
