@@ -27,7 +27,7 @@ T = TypeVar("T")
 _WORDS = (
     "archive ledger river council harvest lantern scribe winter granary bridge treaty market "
     "copper orchard signal tower caravan salt meadow envoy festival quarry tide beacon garrison "
-    "library canal mill frontier census monsoon cedar vessel charter kiln ferry orchard reed "
+    "library canal mill frontier census monsoon cedar vessel charter kiln ferry reed "
     "pavilion compass terrace glacier courier vineyard foundry delta spire almanac threshold"
 ).split()
 _VERBS = "records keeps measures carries divides guards repairs audits seals returns lends weighs".split()
@@ -41,7 +41,16 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="short name or model directory")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+    parser.add_argument("--threads", type=int, help="CPU threads for every peer (default: torch's)")
     return parser
+
+
+def parse(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse the command line and give torch the thread count every peer then shares."""
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
 
 
 def resolve_model_dir(model: str) -> str:
@@ -133,10 +142,10 @@ def now() -> float:
     return time.perf_counter()
 
 
-def timed(fn: Callable[[], T]) -> tuple[T, float]:
-    """``fn()``'s result and its wall-clock seconds."""
+def timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """``fn(*args)``'s result and its wall-clock seconds."""
     start = now()
-    result = fn()
+    result = fn(*args)
     return result, now() - start
 
 
@@ -146,9 +155,19 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return round(numerator / denominator, 3)
 
 
-def decode_rate(num_tokens: int, t_first: float, t_all: float) -> float:
-    """Tokens per second after the first: ``(N-1) / (t_N - t_1)``, both times of whole calls."""
-    return (num_tokens - 1) / max(t_all - t_first, 1e-9)
+def decode_rate(num_tokens: int, t_first: float, t_all: float) -> float | None:
+    """Tokens per second after the first: ``(N-1) / (t_N - t_1)``, both times of whole calls.
+
+    None when load elsewhere made the N-token call no slower than the 1-token one: no rate
+    can be read from such a pair.
+    """
+    if t_all <= t_first:
+        return None
+    return (num_tokens - 1) / (t_all - t_first)
+
+
+def rounded(value: float | None, digits: int = 2) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 # --- transformers peer -----------------------------------------------------------------------
@@ -182,7 +201,7 @@ def memory_bandwidth_gb_s(num_bytes: int = 512 * 2**20, repeats: int = 5) -> flo
     """Best read bandwidth of a large float32 tensor (a ``sum`` over it), GB/s (10^9 bytes)."""
     x = torch.ones(num_bytes // 4, dtype=torch.float32)
     x.sum()  # page it in
-    best = min(timed(lambda: x.sum())[1] for _ in range(repeats))
+    best = min(timed(x.sum)[1] for _ in range(repeats))
     return num_bytes / best / 1e9
 
 

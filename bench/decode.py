@@ -10,7 +10,7 @@ beside its wall-clock figures, which are the headline.
 
 Peers: transformers ``generate()``; transformers with a static cache and its decode step
 compiled by ``torch.compile`` (its ``compile_config`` route; skip with ``--no-compile``); and,
-when ``llama_cpp`` is importable, llama.cpp with 2 threads on the registry's Q4_1 GGUF.
+when ``llama_cpp`` is importable, llama.cpp (as many threads as torch: 2 here) on the registry's Q4_1 GGUF.
 
 ``roofline_fraction`` = (parameter bytes, a tied embedding once, + KV bytes at the mean
 context) x liubai tok/s / the best memory read bandwidth measured during the run.
@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from bench import common
 
@@ -44,7 +46,7 @@ class Peer:
     def ttft_ms(self) -> float:
         return min(self.t1) * 1000
 
-    def decode_tok_s(self, n: int) -> float:
+    def decode_tok_s(self, n: int) -> float | None:
         return common.decode_rate(n, min(self.t1), min(self.tn))
 
 
@@ -55,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="skip transformers + torch.compile")
     parser.add_argument("--gguf", type=Path, help="GGUF for llama.cpp (default: from the registry wheel)")
-    args = parser.parse_args()
+    args = common.parse(parser)
     if args.quick:
         args.new_tokens, args.prompt_tokens, args.repeats = 16, 64, 1
     return args
@@ -69,7 +71,7 @@ def compiled_hf_call(model_dir: str, dtype: str, cache_len: int) -> Call:
     from transformers import CompileConfig
 
     config = CompileConfig(mode="default")
-    config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+    config._compile_all_devices = True  # type: ignore[assignment]  # else: GPUs only
     return hf_call(
         common.load_hf(model_dir, dtype),
         cache_implementation="static",
@@ -105,7 +107,7 @@ def fetch_gguf() -> Path:
 
 
 def llamacpp_call(gguf: Path) -> Call:
-    """llama.cpp with 2 threads; its ``generate`` never stops on EOS by itself."""
+    """llama.cpp with torch's thread count (2 here); its ``generate`` never stops on EOS by itself."""
     import llama_cpp
 
     # llama.cpp repacks Q4_1 weights for AMX where the CPU reports it, and on this VM the AMX
@@ -120,7 +122,10 @@ def llamacpp_call(gguf: Path) -> Call:
 
     llama_cpp.llama_cpp.llama_model_default_params = without_extra_buffers
     try:
-        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=1024, n_threads=2, n_threads_batch=2, verbose=False)
+        threads = torch.get_num_threads()  # the same as the torch peers
+        llm = llama_cpp.Llama(
+            model_path=str(gguf), n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False
+        )
     finally:
         llama_cpp.llama_cpp.llama_model_default_params = make_default
 
@@ -168,17 +173,17 @@ def main() -> None:
         peers.append(Peer("llama.cpp", llamacpp_call(args.gguf or fetch_gguf())))
     for peer in peers:
         common.log(f"{peer.name}: warm-up")
-        peer.warmup_s = common.timed(lambda peer=peer: peer.call(prompts[0], n))[1]
+        peer.warmup_s = common.timed(peer.call, prompts[0], n)[1]
     bandwidths = []
     for r, (one, full) in enumerate(zip(prompts[1::2], prompts[2::2], strict=True)):
         bandwidths.append(common.memory_bandwidth_gb_s())
         for peer in peers:
-            peer.t1.append(common.timed(lambda peer=peer, one=one: peer.call(one, 1))[1])
-            peer.last_tokens, tn = common.timed(lambda peer=peer, full=full: peer.call(full, n))
+            peer.t1.append(common.timed(peer.call, one, 1)[1])
+            peer.last_tokens, tn = common.timed(peer.call, full, n)
             peer.tn.append(tn)
             common.log(
                 f"repeat {r + 1}/{args.repeats} {peer.name}: ttft {peer.t1[-1] * 1000:.0f} ms, "
-                f"decode {common.decode_rate(n, peer.t1[-1], tn):.1f} tok/s"
+                f"decode {common.rounded(common.decode_rate(n, peer.t1[-1], tn), 1)} tok/s"
             )
 
     full_runs = completions[2::2]  # warm-up, then (1-token, N-token) per repeat
@@ -189,15 +194,17 @@ def main() -> None:
     compiled, llamacpp = by_name.get("transformers compiled"), by_name.get("llama.cpp")
     bandwidth = max(bandwidths)
     bytes_per_step = common.param_bytes(engine.model) + engine.stats().bytes_per_token * (prompt_len + n / 2)
+    lb_rate, hf_rate = lb.decode_tok_s(n), hf.decode_tok_s(n)
+    compiled_rate = compiled.decode_tok_s(n) if compiled else None
     result: dict[str, Any] = {
-        "liubai_decode_tok_s": round(lb.decode_tok_s(n), 2),
-        "hf_decode_tok_s": round(hf.decode_tok_s(n), 2),
-        "decode_ratio": common.ratio(lb.decode_tok_s(n), hf.decode_tok_s(n)),
+        "liubai_decode_tok_s": common.rounded(lb_rate),
+        "hf_decode_tok_s": common.rounded(hf_rate),
+        "decode_ratio": common.ratio(lb_rate, hf_rate),
         "liubai_ttft_ms": round(lb.ttft_ms(), 1),
         "hf_ttft_ms": round(hf.ttft_ms(), 1),
-        "roofline_fraction": round(bytes_per_step * lb.decode_tok_s(n) / (bandwidth * 1e9), 3),
-        "hf_compiled_decode_tok_s": compiled and round(compiled.decode_tok_s(n), 2),
-        "compiled_ratio": compiled and common.ratio(lb.decode_tok_s(n), compiled.decode_tok_s(n)),
+        "roofline_fraction": common.ratio(lb_rate and bytes_per_step * lb_rate, bandwidth * 1e9),
+        "hf_compiled_decode_tok_s": common.rounded(compiled_rate),
+        "compiled_ratio": common.ratio(lb_rate, compiled_rate),
         "hf_compiled_ttft_ms": compiled and round(compiled.ttft_ms(), 1),
         "hf_compile_warmup_s": compiled and round(compiled.warmup_s, 1),
         "liubai_engine_decode_tok_s": round(max(c.metrics.decode_tok_s for c in full_runs), 2),
@@ -212,9 +219,10 @@ def main() -> None:
         **common.environment(args, model_dir),
     }
     if llamacpp is not None:
+        llamacpp_rate = llamacpp.decode_tok_s(n)
         result |= {
-            "llamacpp_decode_tok_s": round(llamacpp.decode_tok_s(n), 2),
-            "llamacpp_ratio": common.ratio(lb.decode_tok_s(n), llamacpp.decode_tok_s(n)),
+            "llamacpp_decode_tok_s": common.rounded(llamacpp_rate),
+            "llamacpp_ratio": common.ratio(lb_rate, llamacpp_rate),
             "llamacpp_ttft_ms": round(llamacpp.ttft_ms(), 1),
             "llamacpp_weights": "Q4_1",
         }

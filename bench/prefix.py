@@ -52,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--system-tokens", type=int, default=1000)
     parser.add_argument("--reply-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2, help="conversations, each with its own document")
-    args = parser.parse_args()
+    args = common.parse(parser)
     if args.quick:
         args.turns, args.system_tokens, args.reply_tokens, args.repeats = 3, 200, 8, 1
     if not 2 <= args.turns <= len(_QUESTIONS):
@@ -95,7 +95,7 @@ def conversation(engine: Any, hf_model: Any, args: argparse.Namespace, seed: int
         history.append({"role": "user", "content": question})
         ids = common.chat_ids(tokenizer, history)
         ttft_ms, metrics, reply = liubai_turn(engine, ids, args.reply_tokens)
-        hf_s = common.timed(lambda ids=ids: common.hf_generate(hf_model, ids, 1))[1]
+        hf_s = common.timed(common.hf_generate, hf_model, ids, 1)[1]
         history.append({"role": "assistant", "content": reply})
         turns.append(
             {
