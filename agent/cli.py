@@ -89,6 +89,16 @@ def _add_run(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") ->
         default="auto",
         help="model dtype; auto is bfloat16 on CUDA, float32 on CPU",
     )
+    from agent.oneshot import KV_DTYPES
+
+    p.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default="auto",
+        help="KV cache storage for keys and values: auto (the model dtype), int8, fp8 or int4",
+    )
+    p.add_argument("--k-dtype", choices=KV_DTYPES, default=None, help="KV storage for keys alone")
+    p.add_argument("--v-dtype", choices=KV_DTYPES, default=None, help="KV storage for values alone")
     p.add_argument("--json", action="store_true", help="print one JSON result object instead of streaming")
     p.set_defaults(handler=_cmd_run)
 
@@ -116,6 +126,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             seed=args.seed,
             kv_pool=args.kv_pool,
             dtype=args.dtype,
+            kv_dtype=args.kv_dtype,
+            k_dtype=args.k_dtype,
+            v_dtype=args.v_dtype,
             json=args.json,
         )
     except ValueError as exc:

@@ -15,6 +15,10 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from runtime.model_registry import DEFAULT_MODEL
 
+# The engine's KV storage dtypes (runtime.kv_quant.KV_DTYPES), spelled out so that building the
+# CLI does not import torch; a test keeps the two equal.
+KV_DTYPES = ("auto", "int8", "fp8", "int4")
+
 if TYPE_CHECKING:
     from runtime.metrics import RequestMetrics
 
@@ -33,6 +37,9 @@ class RunOptions:
     seed: int | None = None
     kv_pool: str | None = None  # a size such as "256MiB"; None lets the engine choose
     dtype: str = "auto"
+    kv_dtype: str = "auto"  # KV storage for keys and values; k_dtype / v_dtype override it
+    k_dtype: str | None = None
+    v_dtype: str | None = None
     json: bool = False
 
     def __post_init__(self) -> None:
@@ -46,6 +53,13 @@ class RunOptions:
             raise ValueError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        for flag, value in (
+            ("--kv-dtype", self.kv_dtype),
+            ("--k-dtype", self.k_dtype),
+            ("--v-dtype", self.v_dtype),
+        ):
+            if value is not None and value not in KV_DTYPES:
+                raise ValueError(f"{flag} must be one of {', '.join(KV_DTYPES)}, got {value!r}")
         if self.kv_pool is not None:
             from runtime.sizes import parse_size
 
@@ -114,7 +128,15 @@ def run_oneshot(options: RunOptions, *, out: TextIO | None = None, err: TextIO |
 
     from runtime import Engine, SamplingParams
 
-    engine = Engine(model=str(path), kv_pool=options.kv_pool, dtype=options.dtype, device="auto")
+    engine = Engine(
+        model=str(path),
+        kv_pool=options.kv_pool,
+        dtype=options.dtype,
+        device="auto",
+        kv_dtype=options.kv_dtype,
+        k_dtype=options.k_dtype,
+        v_dtype=options.v_dtype,
+    )
     prompt_ids = build_prompt_ids(engine.tokenizer, options.prompt, options.system)
     params = SamplingParams(
         max_tokens=options.max_tokens,

@@ -11,6 +11,10 @@ then attends each sequence over its own context:
 - a prefill span that continues cached context (prefix hit, chunked prefill, recompute) gathers
   its context from the pool and uses an explicit causal mask offset by the cached length;
 - decode tokens (one per sequence) gather their contexts into one padded batch.
+
+A quantized cache replaces the first two cases' reads (``KVCache.read_span``/``read_decode``):
+each token attends to its earlier blocks dequantized and to its own block in full precision,
+with a mask the cache builds; only the blocks of the contexts being read are dequantized.
 """
 
 from dataclasses import dataclass
@@ -69,7 +73,15 @@ def paged_attention_forward(
     for span in meta.prefills:
         s, e = span.query_start, span.query_end
         q = query[:, :, s:e]  # (1, H, q, D)
-        if span.context_slots is None:
+        if cache.quantized:
+            # Earlier blocks as stored, the span's own blocks exact (kv_context.py), for
+            # cached and fresh spans alike: a token's numbers never depend on scheduling.
+            slots = span.context_slots if span.context_slots is not None else meta.slot_mapping[s:e]
+            k, v, mask = cache.read_span(layer, span, slots, key[0, :, s:e], value[0, :, s:e])  # (KVH, L', D)
+            o = F.scaled_dot_product_attention(
+                q, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=True
+            )
+        elif span.context_slots is None:
             k, v = key[:, :, s:e], value[:, :, s:e]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=e - s > 1, scale=scaling, enable_gqa=True)
         else:
@@ -81,13 +93,16 @@ def paged_attention_forward(
 
     decode = meta.decode
     if decode is not None:
-        batch, max_len = decode.context_slots.shape
+        batch = decode.context_slots.shape[0]
         q = query[0, :, decode.query_index].transpose(0, 1)  # (B, H, D)
-        k, v = cache.gather(layer, decode.context_slots.reshape(-1))  # (KVH, B*L, D)
-        num_kv_heads = k.shape[0]
-        k = k.view(num_kv_heads, batch, max_len, head_dim).transpose(0, 1)  # (B, KVH, L, D)
-        v = v.view(num_kv_heads, batch, max_len, head_dim).transpose(0, 1)
-        if decode.mask is None:
+        decode_mask: torch.Tensor | None
+        if cache.quantized:
+            k, v, decode_mask = cache.read_decode(layer, decode.context_slots, decode.mask)  # (B, KVH, L', D)
+        else:
+            k, v = cache.gather_batch(layer, decode.context_slots)  # (B, KVH, L, D) each
+            decode_mask = decode.mask
+        num_kv_heads = k.shape[1]
+        if decode_mask is None:
             o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scaling, enable_gqa=True)
             out[decode.query_index] = o.squeeze(2)
         else:
@@ -95,7 +110,7 @@ def paged_attention_forward(
             # query-length axis, so GQA needs no repeated keys and the mask stays per sequence.
             groups = num_heads // num_kv_heads
             q = q.reshape(batch, num_kv_heads, groups, head_dim)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=decode.mask, scale=scaling)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=decode_mask, scale=scaling)
             out[decode.query_index] = o.reshape(batch, num_heads, head_dim)
 
     return out.unsqueeze(0), None

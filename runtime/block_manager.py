@@ -12,9 +12,14 @@ A freed sequence returns its blocks tail first, so a request's deep blocks are e
 its prefix blocks, which are the ones other requests are most likely to share. Allocation
 takes from the front; taking a cached block evicts it from the prefix cache. A cache hit on an
 unreferenced block takes it out of the queue again.
+
+``on_release`` (the KV pool's) hears of every block that returns to the queue holding nothing
+reusable, so storage kept per open block (a quantized pool's full-precision staging) is freed
+with it.
 """
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .sequence import Sequence
@@ -39,11 +44,18 @@ class PrefixHit:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        on_release: Callable[[list[int]], None] | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.on_release = on_release
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached_blocks: dict[int, int] = {}  # block hash -> block id
@@ -157,6 +169,7 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references, tail first; cached blocks stay reusable until evicted."""
+        released: list[int] = []
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_cnt -= 1
@@ -167,6 +180,9 @@ class BlockManager:
                 if block.block_hash is None:
                     # Holds nothing reusable, so it is the first to hand out again.
                     self.free_queue.move_to_end(block_id, last=False)
+                    released.append(block_id)
+        if released and self.on_release is not None:
+            self.on_release(released)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0

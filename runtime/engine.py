@@ -21,7 +21,7 @@ from typing import Any
 from .attention import ATTENTION_NAME, paged_attention_forward
 from .block_manager import BlockManager
 from .engine_config import EngineConfig
-from .errors import PoolTooSmallError, PromptTooLongError
+from .errors import ModelError, PoolTooSmallError, PromptTooLongError
 from .kv_cache import KVCache, KVLayout, num_blocks_for
 from .metrics import EngineStats, RequestMetrics
 from .model_loader import load_model
@@ -68,6 +68,8 @@ class Engine:
         self.eos_token_ids = loaded.eos_token_ids
 
         cfg = self.model.config
+        if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
+            raise ModelError(f"{self.model_path}: sliding-window attention layers are not supported yet")
         self.max_model_len: int = self.config.max_model_len or int(
             getattr(cfg, "max_position_embeddings", 4096)
         )
@@ -76,6 +78,9 @@ class Engine:
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
             dtype=self.dtype,
+            block_size=self.config.block_size,
+            k_dtype=self.config.k_dtype or "auto",
+            v_dtype=self.config.v_dtype or "auto",
         )
         pool_bytes = self.config.kv_pool_bytes(self.device)
         num_blocks = num_blocks_for(pool_bytes, layout.bytes_per_token, self.config.block_size)
@@ -86,7 +91,7 @@ class Engine:
             )
         self.kv_cache = KVCache(layout, num_blocks, self.config.block_size, self.device)
         self.block_manager = BlockManager(
-            num_blocks, self.config.block_size, self.config.enable_prefix_caching
+            num_blocks, self.config.block_size, self.config.enable_prefix_caching, self.kv_cache.release
         )
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
 
@@ -94,7 +99,7 @@ class Engine:
 
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
         self.model.config._attn_implementation = ATTENTION_NAME
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.forward)
 
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
@@ -348,6 +353,7 @@ class Engine:
                 max_batch_size=self._max_batch_size,
                 num_running=len(self.scheduler.running),
                 num_waiting=len(self.scheduler.waiting),
+                kv_staging_bytes=self.kv_cache.staging_bytes,
             )
 
     def reset_prefix_cache(self) -> None:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from .kv_quant import KV_DTYPES
 from .scheduler import SchedulerConfig
 from .sizes import parse_size
 
@@ -24,18 +25,35 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     enable_prefix_caching: bool = True
+    # KV storage: "auto" (the model dtype), "int8", "fp8" (e4m3) or "int4"; k_dtype / v_dtype
+    # override kv_dtype for keys / values alone (e.g. int8 keys with int4 values).
+    kv_dtype: str = "auto"
+    k_dtype: str | None = None  # None: kv_dtype; after __post_init__ always a name
+    v_dtype: str | None = None
+    # "auto": the lean Llama-family forward where it applies; "transformers": always the model's own.
+    forward: str = "auto"
     scheduler: SchedulerConfig = field(init=False)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.forward not in ("auto", "transformers"):
+            raise ValueError(f"forward must be 'auto' or 'transformers', got {self.forward!r}")
         if self.kv_pool is not None:
             self.kv_pool = parse_size(self.kv_pool)
+        for option in ("kv_dtype", "k_dtype", "v_dtype"):
+            value = getattr(self, option)
+            if value is not None and value not in KV_DTYPES:
+                raise ValueError(f"{option} must be one of {', '.join(KV_DTYPES)}, got {value!r}")
+        self.k_dtype = self.k_dtype or self.kv_dtype
+        self.v_dtype = self.v_dtype or self.kv_dtype
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         self.scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
 
     def kv_pool_bytes(self, device: torch.device) -> int:
+        if self.forward not in ("auto", "transformers"):
+            raise ValueError(f"forward must be 'auto' or 'transformers', got {self.forward!r}")
         if self.kv_pool is not None:
             return int(self.kv_pool)
         if device.type == "cuda":

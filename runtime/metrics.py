@@ -66,6 +66,9 @@ class EngineStats:
     max_batch_size: int  # most requests in one forward step so far
     num_running: int
     num_waiting: int
+    # Full-precision staging of a quantized pool's open (partial) blocks, allocated now; outside
+    # kv_pool_bytes and bytes_per_token. 0 when both K and V are stored in the model dtype.
+    kv_staging_bytes: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

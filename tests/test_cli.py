@@ -48,6 +48,9 @@ def test_help() -> None:
         "--seed",
         "--kv-pool",
         "--dtype",
+        "--kv-dtype",
+        "--k-dtype",
+        "--v-dtype",
         "--json",
     ):
         assert flag in run_help.stdout
@@ -89,6 +92,18 @@ def test_bad_values_are_usage_errors(flags: list[str], fragment: str) -> None:
     assert result.returncode == 2
     assert_one_error_line(result.stderr)
     assert fragment in result.stderr
+
+
+def test_kv_dtype_flags_reach_the_run_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtime.kv_quant import KV_DTYPES
+
+    assert oneshot.KV_DTYPES == KV_DTYPES
+    seen: list[oneshot.RunOptions] = []
+    monkeypatch.setattr(oneshot, "run_oneshot", lambda options: seen.append(options))
+    assert cli.main(["run", "hi", "--kv-dtype", "int8", "--v-dtype", "int4"]) == 0
+    assert (seen[0].kv_dtype, seen[0].k_dtype, seen[0].v_dtype) == ("int8", None, "int4")
+    bad = liubai("run", "--kv-dtype", "int3", "x")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
 
 def test_dash_reads_prompt_from_stdin(monkeypatch: pytest.MonkeyPatch) -> None:

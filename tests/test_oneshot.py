@@ -48,6 +48,8 @@ def test_prompt_without_system_or_template() -> None:
         ({"top_p": 1.5}, "--top-p"),
         ({"top_k": -1}, "--top-k"),
         ({"kv_pool": "12XB"}, "unknown size unit"),
+        ({"kv_dtype": "int3"}, "--kv-dtype must be one of auto, int8, fp8, int4"),
+        ({"v_dtype": "fp4"}, "--v-dtype"),
     ],
 )
 def test_options_validate(kwargs: dict[str, object], fragment: str) -> None:
