@@ -4,9 +4,9 @@ Modes: ``auto`` (the model dtype), ``int8``, ``fp8``, ``k8v4`` (int8 keys, int4 
 For each: exact ``bytes_per_token``; ``bytes_ratio`` against ``auto`` stored in 16 bits (2 bytes
 an element, even though the model runs fp32 on CPU); ``tokens_in_64MiB``; quality teacher-forced
 over a fixed English text that ships with the benchmark (``bench/data/kvquant_text.txt``, cut to
-``--text-tokens``), prefilled in chunks of ``--chunk`` tokens so every chunk after the first
-attends to quantized blocks (the first chunk has no cached context and attends its own keys in
-full precision, as every prompt's first chunk does); ``kld_mean`` (KL(auto || mode) of the
+``--text-tokens``), prefilled in chunks of ``--chunk`` tokens, every position attending to the
+blocks before its own as stored (quantized) and to its own block exactly, just as it would
+while decoding (``runtime/kv_context.py``); ``kld_mean`` (KL(auto || mode) of the
 next-token distributions, mean over positions), ``top1_agree``, ``ppl_delta_pct``; decode speed
 with a ``--text-tokens`` context, ``decode_tok_s`` (tokens after the first / time after the
 first, best of ``--repeats``) and ``decode_ratio`` against ``auto``.

@@ -11,8 +11,8 @@ narrow one: integer keys are grouped per (block, head, channel), values per (tok
 Per-channel scales are float8 e4m3 (1 byte), rounded so the range always covers the group:
 
 - ``int8`` keys: symmetric per (block, head, channel), e4m3 scale. 64 + 64/16 = 68 bytes per
-  token and head at block size 16. Per-token int8 keys (66 bytes) measured 3x the logits KL on
-  SmolLM2 (5e-4 against 2e-4) and missed the 0.99 top-1 target.
+  token and head at block size 16. Per-token int8 keys (66 bytes) measured ~3x the logits KL
+  on SmolLM2 and missed the 0.99 top-1 target.
 - ``int8`` values: symmetric, one fp16 scale per (token, head). 64 + 2 = 66 bytes.
 - ``fp8`` keys and values: e4m3 with one fp16 scale per (token, head), so e4m3's +-448 range is
   used whatever the magnitude. 66 bytes. A float format's error is relative per element, so
@@ -25,8 +25,8 @@ Per-channel scales are float8 e4m3 (1 byte), rounded so the range always covers 
 Keys must stay within e4m3's reach for per-channel metadata: |k| < 448 (SmolLM2 peaks at 24),
 and steps below 2^-9 round up to it (a coarser step only on near-constant channels).
 
-Scales are fp16 (not fp32) because an fp32 scale would make int8 cost 68/128 of bf16 instead
-of 66/128. Four-bit codes are packed two per byte across a block's tokens (token t with token
+Per-token scales are fp16: fp32 would add 2 bytes per token and head and push int8 past 0.53
+of bf16 (138/256). Four-bit codes are packed two per byte across a block's tokens (token t with token
 t + bs/2, so unpacking writes two contiguous half-blocks); int4 needs a block of >= 2 tokens.
 
 Dequantization writes into a caller's buffer (``out``) with in-place ops: a decode step rebuilds
