@@ -5,7 +5,17 @@ from contextlib import contextmanager
 
 import torch
 
-from runtime import Engine
+from runtime import Engine, SamplingParams
+
+# Chat prompts of different lengths whose replies run past 64 tokens, shared by the
+# default-model tests so the engine and the quantized cache are checked on the same text.
+PROMPTS = [
+    "Write a long story about a lighthouse keeper who collects seashells.",
+    "Explain in detail how a bicycle works, part by part.",
+    "Describe the water cycle to a ten year old, with many examples.",
+]
+NEW_TOKENS = 64
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 @contextmanager

@@ -7,16 +7,9 @@ from pathlib import Path
 import pytest
 
 from runtime import Engine, SamplingParams
-from tests.engine_helpers import chat_ids, hf_greedy
+from tests.engine_helpers import GREEDY, NEW_TOKENS, PROMPTS, chat_ids, hf_greedy
 
 pytestmark = pytest.mark.model
-
-PROMPTS = [
-    "Write a long story about a lighthouse keeper who collects seashells.",
-    "Explain in detail how a bicycle works, part by part.",
-    "Describe the water cycle to a ten year old, with many examples.",
-]
-NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +26,6 @@ def prompt_ids(engine: Engine) -> list[list[int]]:
 def reference(engine: Engine, prompt_ids: list[list[int]]) -> list[list[int]]:
     """generate()'s greedy tokens, run past EOS so that every comparison covers 64 tokens."""
     return [hf_greedy(engine, ids, NEW_TOKENS, ignore_eos=True) for ids in prompt_ids]
-
-
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 def test_greedy_equals_transformers_generate(engine: Engine, prompt_ids, reference) -> None:

@@ -12,18 +12,11 @@ import pytest
 import torch
 
 from runtime import Engine, SamplingParams
-from tests.engine_helpers import chat_ids
+from tests.engine_helpers import GREEDY, NEW_TOKENS, PROMPTS, chat_ids
 from tests.kv_bounds import CHECKS
 
 pytestmark = pytest.mark.model
 
-PROMPTS = [
-    "Write a long story about a lighthouse keeper who collects seashells.",
-    "Explain in detail how a bicycle works, part by part.",
-    "Describe the water cycle to a ten year old, with many examples.",
-]
-NEW_TOKENS = 64
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
 # Mean KL(auto || quantized) of next-token distributions over the 64 teacher-forced positions of a
 # prompt that diverges. int8's is the benchmark's target; fp8 (3 mantissa bits) measures ~1.5e-3.
 KL_BOUND = {"int8": 1e-3, "fp8": 5e-3}
