@@ -64,19 +64,17 @@ class FullStore:
     def write(self, layer: int, slot_mapping: torch.Tensor, x: torch.Tensor, plan: WritePlan | None) -> None:
         self.cache[layer].index_copy_(1, slot_mapping, x)  # x (KVH, T, D)
 
-    def _select(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Rows at ``slots`` (any shape, flattened) into a reused buffer: (KVH, L, D)."""
         cache = self.cache[layer]
         out = self.scratch.get(
             "context", (cache.shape[0], slots.numel(), cache.shape[2]), cache.dtype, cache.device
         )
         return torch.index_select(cache, 1, slots.reshape(-1), out=out)  # (KVH, L, D)
 
-    def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        return self._select(layer, slots)  # (KVH, L, D)
-
     def gather_batch(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         batch, length = slots.shape
-        x = self._select(layer, slots)  # (KVH, B*L, D)
+        x = self.gather(layer, slots)  # (KVH, B*L, D)
         return x.view(x.shape[0], batch, length, x.shape[-1]).transpose(0, 1)  # (B, KVH, L, D)
 
     # The quantized-cache reads, for a full-precision side next to a quantized one (e.g. int8 K, auto V).
