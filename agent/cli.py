@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_pull(commands)
     _add_run(commands)
+    from agent import plan_command
+
+    plan_command.add_parser(commands)
     return parser
 
 
