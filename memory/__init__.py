@@ -1,0 +1,30 @@
+"""liubai's memory: every conversation kept inside its KV budget, and nothing it said lost.
+
+``ContextManager`` builds each prompt within the session's budget, compacting old turns into a
+model-written summary and recalling evicted ones by full-text search; ``Store`` keeps every
+message, summary, compaction and request in SQLite.
+"""
+
+from .budget import Budget, BudgetSpec
+from .compaction import CompactionEvent
+from .context_manager import BuiltPrompt, ContextManager, TurnInfo
+from .errors import BudgetError, MemoryLayerError, SessionNotFoundError, StoreError
+from .store import MessageRecord, SearchHit, SessionRecord, Store, default_db_path
+
+__all__ = [
+    "Budget",
+    "BudgetError",
+    "BudgetSpec",
+    "BuiltPrompt",
+    "CompactionEvent",
+    "ContextManager",
+    "MemoryLayerError",
+    "MessageRecord",
+    "SearchHit",
+    "SessionNotFoundError",
+    "SessionRecord",
+    "Store",
+    "StoreError",
+    "TurnInfo",
+    "default_db_path",
+]

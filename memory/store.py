@@ -1,0 +1,443 @@
+"""Everything a conversation ever contained, in SQLite: the one place nothing is lost.
+
+The store wraps a ``sqlite_utils.Database`` in WAL mode (a TUI and a headless run can share one
+file) and applies the numbered migrations of ``memory/migrations.py`` when it opens. Writes
+that belong together (a compaction: its summary, its record and the state of every message it
+dropped) happen in one transaction, so a crash leaves either all of it or none.
+
+SQLite's own failures become :class:`StoreError` with one readable line: a locked database, a
+file that is not a database, a directory that cannot be written, a schema from a newer liubai.
+"""
+
+import json
+import sqlite3
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from runtime.paths import data_dir
+
+from .errors import SessionNotFoundError, StoreError
+from .migrations import MIGRATIONS
+
+DB_FILENAME = "liubai.db"
+BUSY_TIMEOUT_MS = 5000
+MESSAGE_STATES = ("live", "summarized", "evicted")
+
+
+def default_db_path() -> Path:
+    return data_dir() / DB_FILENAME
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    id: str
+    created: str
+    updated: str
+    model: str
+    backend: str
+    system: str
+    budget_spec: str
+    budget_tokens: int
+    bytes_per_token: int | None
+    k_dtype: str | None
+    v_dtype: str | None
+    high_watermark: float
+    low_watermark: float
+    reserve_tokens: int
+    summary_id: int | None
+    window_start: int
+    title: str | None
+
+
+@dataclass(slots=True)
+class MessageRecord:
+    id: int
+    session_id: str
+    seq: int
+    turn: int
+    role: str
+    kind: str
+    content: str
+    token_count: int
+    state: str
+    pinned: bool
+    interrupted: bool
+    created: str
+
+
+@dataclass(slots=True)
+class SummaryRecord:
+    id: int
+    session_id: str
+    created: str
+    text: str
+    message_ids: list[int]
+    token_count: int
+    previous_id: int | None
+    depth: int
+
+
+@dataclass(slots=True)
+class CompactionRecord:
+    id: int
+    session_id: str
+    created: str
+    trigger: str
+    focus: str | None
+    tokens_before: int
+    tokens_after: int
+    dropped_ids: list[int]
+    summary_id: int | None
+    duration_ms: float
+
+
+@dataclass(slots=True)
+class SearchHit:
+    message_id: int
+    turn: int
+    role: str
+    content: str
+    state: str
+    rank: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _record(cls: type, row: dict[str, Any]) -> Any:
+    values = {}
+    for f in fields(cls):
+        value = row.get(f.name)
+        if f.name in ("pinned", "interrupted"):
+            value = bool(value)
+        elif f.name in ("message_ids", "dropped_ids"):
+            value = json.loads(value or "[]")
+        values[f.name] = value
+    return cls(**values)
+
+
+class Store:
+    """A liubai database. Opening it migrates it; ``path=None`` means the user data dir."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = Path(path) if path is not None else default_db_path()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create the directory for {self.path}: {exc.strerror or exc}") from exc
+        try:
+            conn = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            self.db = sqlite_utils.Database(conn)
+            self.db.execute("PRAGMA foreign_keys = ON")
+            self._migrate()
+            if self.db.journal_mode != "wal":
+                self.db.enable_wal()
+        except sqlite3.DatabaseError as exc:
+            raise self._error("open", exc) from exc
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _error(self, action: str, exc: sqlite3.Error) -> StoreError:
+        text = str(exc)
+        if "locked" in text or "busy" in text:
+            return StoreError(f"the database {self.path} is locked by another process; try again")
+        if "not a database" in text or "malformed" in text:
+            return StoreError(f"{self.path} is not a readable liubai database ({text}); nothing was changed")
+        if "readonly" in text or "unable to open" in text:
+            return StoreError(f"cannot {action} the database {self.path}: {text}")
+        return StoreError(f"cannot {action} the database {self.path}: {text}")
+
+    def _migrate(self) -> None:
+        known = [m.__name__ for m in MIGRATIONS]
+        table = self.db.table("_migrations")
+        if not table.exists():
+            table.create({"name": str, "applied_at": str}, pk="name")  # type: ignore[union-attr]
+        applied = {row["name"] for row in table.rows}
+        unknown = sorted(applied - set(known))
+        if unknown:
+            raise StoreError(
+                f"{self.path} was written by a newer liubai (schema migration {unknown[-1]}); "
+                "upgrade liubai to open it"
+            )
+        for fn in MIGRATIONS:
+            if fn.__name__ in applied:
+                continue
+            with self._transaction():
+                fn(self.db)
+                table.insert({"name": fn.__name__, "applied_at": now_iso()})
+
+    @property
+    def schema_version(self) -> int:
+        return self.db["_migrations"].count
+
+    def close(self) -> None:
+        self.db.conn.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        conn = self.db.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    @contextmanager
+    def _writing(self, action: str) -> Iterator[None]:
+        try:
+            with self._transaction():
+                yield
+        except sqlite3.Error as exc:
+            raise self._error(action, exc) from exc
+
+    def _table(self, name: str) -> sqlite_utils.db.Table:
+        return self.db.table(name)
+
+    def _query(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[dict[str, Any]]:
+        try:
+            return list(self.db.query(sql, params))
+        except sqlite3.Error as exc:
+            raise self._error("read", exc) from exc
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    def create_session(
+        self,
+        *,
+        model: str,
+        backend: str,
+        system: str,
+        budget_spec: str,
+        budget_tokens: int,
+        bytes_per_token: int | None,
+        k_dtype: str | None,
+        v_dtype: str | None,
+        high_watermark: float,
+        low_watermark: float,
+        reserve_tokens: int,
+        session_id: str | None = None,
+    ) -> SessionRecord:
+        stamp = now_iso()
+        row = {
+            "id": session_id or uuid.uuid4().hex[:12],
+            "created": stamp,
+            "updated": stamp,
+            "model": model,
+            "backend": backend,
+            "system": system,
+            "budget_spec": budget_spec,
+            "budget_tokens": budget_tokens,
+            "bytes_per_token": bytes_per_token,
+            "k_dtype": k_dtype,
+            "v_dtype": v_dtype,
+            "high_watermark": high_watermark,
+            "low_watermark": low_watermark,
+            "reserve_tokens": reserve_tokens,
+            "summary_id": None,
+            "window_start": 0,
+            "title": None,
+        }
+        with self._writing("write"):
+            self._table("sessions").insert(row)
+        return _record(SessionRecord, row)  # type: ignore[no-any-return]
+
+    def get_session(self, session_id: str) -> SessionRecord:
+        rows = self._query("select * from sessions where id = ?", [session_id])
+        if not rows:
+            raise SessionNotFoundError(f"no session {session_id!r} in {self.path}")
+        return _record(SessionRecord, rows[0])  # type: ignore[no-any-return]
+
+    def update_session(self, session_id: str, **changes: Any) -> None:
+        changes["updated"] = now_iso()
+        with self._writing("write"):
+            self._table("sessions").update(session_id, changes)
+
+    def list_sessions(self) -> list[SessionRecord]:
+        return [_record(SessionRecord, r) for r in self._query("select * from sessions order by created")]
+
+    # -- messages -----------------------------------------------------------------------------
+
+    def add_message(
+        self,
+        session_id: str,
+        *,
+        role: str,
+        content: str,
+        token_count: int,
+        turn: int,
+        kind: str = "chat",
+        pinned: bool = False,
+        interrupted: bool = False,
+        state: str = "live",
+    ) -> MessageRecord:
+        with self._writing("write"):
+            seq = self.db.execute(
+                "select coalesce(max(seq), 0) + 1 from messages where session_id = ?", [session_id]
+            ).fetchone()[0]
+            row = {
+                "session_id": session_id,
+                "seq": seq,
+                "turn": turn,
+                "role": role,
+                "kind": kind,
+                "content": content,
+                "token_count": token_count,
+                "state": state,
+                "pinned": int(pinned),
+                "interrupted": int(interrupted),
+                "created": now_iso(),
+            }
+            row["id"] = self._table("messages").insert(row).last_pk
+            self.db.execute("update sessions set updated = ? where id = ?", [row["created"], session_id])
+        return _record(MessageRecord, row)  # type: ignore[no-any-return]
+
+    def messages(self, session_id: str, states: Sequence[str] | None = None) -> list[MessageRecord]:
+        sql = "select * from messages where session_id = ?"
+        params: list[Any] = [session_id]
+        if states is not None:
+            sql += f" and state in ({', '.join('?' for _ in states)})"
+            params.extend(states)
+        return [_record(MessageRecord, r) for r in self._query(sql + " order by seq", params)]
+
+    def set_message(self, message_id: int, **changes: Any) -> None:
+        with self._writing("write"):
+            self._table("messages").update(message_id, changes)
+
+    def set_messages_state(self, message_ids: Sequence[int], state: str) -> None:
+        with self._writing("write"):
+            self._set_state(message_ids, state)
+
+    def _set_state(self, message_ids: Sequence[int], state: str) -> None:
+        assert state in MESSAGE_STATES, state
+        for message_id in message_ids:
+            self.db.execute("update messages set state = ? where id = ?", [state, message_id])
+
+    def search(
+        self, session_id: str, query: str, limit: int = 5, states: Sequence[str] = ("summarized", "evicted")
+    ) -> list[SearchHit]:
+        """Full-text search (FTS5, bm25) over this session's conversation messages in ``states``.
+
+        ``query`` is FTS5 syntax; :func:`memory.recall.fts_query` turns free text into it.
+        """
+        if not query:
+            return []
+        sql = f"""
+            select m.id, m.turn, m.role, m.content, m.state, bm25(messages_fts) as rank
+            from messages_fts join messages m on m.rowid = messages_fts.rowid
+            where messages_fts match ? and m.session_id = ? and m.kind = 'chat'
+              and m.state in ({", ".join("?" for _ in states)})
+            order by rank limit ?
+        """
+        rows = self._query(sql, [query, session_id, *states, limit])
+        return [
+            SearchHit(r["id"], r["turn"], r["role"], r["content"], r["state"], float(r["rank"])) for r in rows
+        ]
+
+    # -- summaries and compactions ------------------------------------------------------------
+
+    def record_compaction(
+        self,
+        session_id: str,
+        *,
+        trigger: str,
+        focus: str | None,
+        tokens_before: int,
+        tokens_after: int,
+        summarized_ids: Sequence[int],
+        evicted_ids: Sequence[int],
+        summary_text: str | None,
+        summary_message_ids: Sequence[int],
+        summary_tokens: int,
+        summary_depth: int,
+        previous_summary_id: int | None,
+        window_start: int,
+        duration_ms: float,
+    ) -> tuple[int | None, int]:
+        """Write a compaction in one transaction: summary, record, message states, session front.
+
+        Returns ``(summary_id, compaction_id)``. The live context may change only after this
+        returns: if it raises, nothing was written and nothing was dropped.
+        """
+        stamp = now_iso()
+        with self._writing("write"):
+            summary_id = previous_summary_id
+            if summary_text is not None:
+                summary_id = (
+                    self._table("summaries")
+                    .insert(
+                        {
+                            "session_id": session_id,
+                            "created": stamp,
+                            "text": summary_text,
+                            "message_ids": json.dumps(list(summary_message_ids)),
+                            "token_count": summary_tokens,
+                            "previous_id": previous_summary_id,
+                            "depth": summary_depth,
+                        }
+                    )
+                    .last_pk
+                )
+            compaction_id = (
+                self._table("compactions")
+                .insert(
+                    {
+                        "session_id": session_id,
+                        "created": stamp,
+                        "trigger": trigger,
+                        "focus": focus,
+                        "tokens_before": tokens_before,
+                        "tokens_after": tokens_after,
+                        "dropped_ids": json.dumps([*summarized_ids, *evicted_ids]),
+                        "summary_id": summary_id,
+                        "duration_ms": duration_ms,
+                    }
+                )
+                .last_pk
+            )
+            self._set_state(summarized_ids, "summarized")
+            self._set_state(evicted_ids, "evicted")
+            self._table("sessions").update(
+                session_id, {"summary_id": summary_id, "window_start": window_start, "updated": stamp}
+            )
+        return summary_id, int(compaction_id or 0)
+
+    def get_summary(self, summary_id: int) -> SummaryRecord:
+        rows = self._query("select * from summaries where id = ?", [summary_id])
+        if not rows:
+            raise StoreError(f"summary {summary_id} is missing from {self.path}")
+        return _record(SummaryRecord, rows[0])  # type: ignore[no-any-return]
+
+    def summaries(self, session_id: str) -> list[SummaryRecord]:
+        rows = self._query("select * from summaries where session_id = ? order by id", [session_id])
+        return [_record(SummaryRecord, r) for r in rows]
+
+    def compactions(self, session_id: str) -> list[CompactionRecord]:
+        rows = self._query("select * from compactions where session_id = ? order by id", [session_id])
+        return [_record(CompactionRecord, r) for r in rows]
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(self, session_id: str, row: dict[str, Any]) -> int:
+        record = {"session_id": session_id, "created": now_iso(), **row}
+        with self._writing("write"):
+            request_id = self._table("requests").insert(record, alter=False).last_pk
+        return int(request_id or 0)
+
+    def requests(self, session_id: str | None = None) -> list[dict[str, Any]]:
+        if session_id is None:
+            return self._query("select * from requests order by id")
+        return self._query("select * from requests where session_id = ? order by id", [session_id])
