@@ -10,7 +10,7 @@ What a backend cannot know it reports as ``None``: a remote server's KV bytes pe
 instance, so a budget over it is kept in tokens.
 """
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -47,8 +47,13 @@ class Backend(Protocol):
     def kv_dtypes(self) -> tuple[str | None, str | None]:
         """(K storage, V storage) names, or None where unknown."""
 
-    def stream(self, prompt: ChatPrompt, params: "SamplingParams") -> Iterator["CompletionDelta"]:
-        """Deltas of one reply; the last has ``finished`` set and carries the request metrics."""
+    def stream(
+        self, prompt: ChatPrompt, params: "SamplingParams"
+    ) -> Generator["CompletionDelta", None, None]:
+        """Deltas of one reply; the last has ``finished`` set and carries the request metrics.
+
+        Closing the generator early aborts the request (and frees its KV, or its connection).
+        """
 
     def stats(self) -> "EngineStats | None":
         """A snapshot of the KV pool and prefix cache, or None when the backend has none."""
@@ -75,7 +80,9 @@ class LocalBackend:
     def kv_dtypes(self) -> tuple[str, str]:
         return self.engine.kv_cache.k_dtype, self.engine.kv_cache.v_dtype
 
-    def stream(self, prompt: ChatPrompt, params: "SamplingParams") -> Iterator["CompletionDelta"]:
+    def stream(
+        self, prompt: ChatPrompt, params: "SamplingParams"
+    ) -> Generator["CompletionDelta", None, None]:
         if prompt.token_ids is None:
             raise ValueError("the local engine needs the prompt's token ids")
         return self.engine.stream(prompt.token_ids, params)

@@ -12,7 +12,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,7 +242,7 @@ class Engine:
 
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
-    ) -> Iterator[CompletionDelta]:
+    ) -> Generator[CompletionDelta, None, None]:
         request_id = self.add_request(prompt, params, request_id)
         inbox = self._queues[request_id]
         finished = False
