@@ -1,4 +1,5 @@
-# liubai: `make run PROMPT="..."` answers one prompt; `make test` runs lint, types and tests.
+# liubai: `make run` opens the chat (`make run PROMPT="..."` answers one prompt headless);
+# `make test` runs lint, types and tests.
 # Both create .venv on first use, reinstall only when pyproject.toml changes (a stamp file),
 # and pull the default model once into ~/.cache/liubai (no Hub access needed).
 
@@ -6,7 +7,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.liubai-installed
-PROMPT ?= Explain in two sentences why a KV cache makes decoding faster.
+PROMPT ?=
 export PROMPT
 
 .PHONY: setup pull run test lint
@@ -27,7 +28,7 @@ pull: setup
 	$(BIN)/liubai pull
 
 run: pull
-	$(BIN)/liubai run "$$PROMPT"
+	@if [ -n "$$PROMPT" ]; then $(BIN)/liubai run "$$PROMPT"; else $(BIN)/liubai chat; fi
 
 lint: setup
 	$(BIN)/ruff check .

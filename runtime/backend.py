@@ -87,5 +87,10 @@ class LocalBackend:
             raise ValueError("the local engine needs the prompt's token ids")
         return self.engine.stream(prompt.token_ids, params)
 
+    def cancel(self, request_id: str) -> bool:
+        """Abort a request mid-stream; its stream then ends with the metrics of what was done."""
+        self.engine.abort(request_id)
+        return True
+
     def stats(self) -> "EngineStats":
         return self.engine.stats()

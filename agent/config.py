@@ -1,0 +1,90 @@
+"""The options every front door shares (``liubai run``, ``liubai chat``), validated once.
+
+``AgentConfig`` groups what would otherwise be a sprawl of parameters: which model and backend,
+the KV budget and dtypes, sampling, tools, prices and the database. ``__post_init__`` raises
+``ValueError`` with a message a user can act on; the CLI turns it into exit code 2.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.model_registry import DEFAULT_MODEL
+
+# The engine's KV storage dtypes (runtime.kv_quant.KV_DTYPES), spelled out so that building the
+# CLI does not import torch; a test keeps the two equal.
+KV_DTYPES = ("auto", "int8", "fp8", "int4")
+BACKENDS = ("local", "openai")
+
+
+@dataclass(slots=True)
+class AgentConfig:
+    model: str = DEFAULT_MODEL
+    backend: str = "local"  # or "openai": an OpenAI-compatible server at base_url
+    base_url: str | None = None
+    api_key_env: str | None = None
+    system: str | None = None
+    kv_budget: str | None = None  # "24MiB" or "4096tok"; None: the model's context (capped by the pool)
+    kv_pool: str | None = None
+    dtype: str = "auto"
+    kv_dtype: str = "auto"
+    k_dtype: str | None = None
+    v_dtype: str | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    db: str | None = None  # None: the user data dir
+    tools: bool = True  # recall, read_file and list_dir
+    allow_tools: str = ""  # "shell,write" enables the optional ones
+    extra_paths: tuple[str, ...] = ()  # paths besides the working directory the file tools may read
+    max_tool_rounds: int = 4
+    recall: bool = True
+    price_per_hour: float | None = None
+    prices: str | None = None  # "in=2.5,cached=1.25,out=10" or a preset name
+    price_table: str | None = None
+    reserve_tokens: int | None = None  # None: max_tokens
+    high_watermark: float = 0.85
+    low_watermark: float = 0.55
+    max_num_seqs: int = 64
+    workdir: Path = field(default_factory=Path.cwd)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "openai" and not self.base_url:
+            raise ValueError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000/v1)")
+        if self.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.max_tool_rounds < 0:
+            raise ValueError(f"--max-tool-rounds must be >= 0, got {self.max_tool_rounds}")
+        for flag, value in (
+            ("--kv-dtype", self.kv_dtype),
+            ("--k-dtype", self.k_dtype),
+            ("--v-dtype", self.v_dtype),
+        ):
+            if value is not None and value not in KV_DTYPES:
+                raise ValueError(f"{flag} must be one of {', '.join(KV_DTYPES)}, got {value!r}")
+        from runtime.sizes import parse_size
+
+        if self.kv_pool is not None:
+            parse_size(self.kv_pool)
+        if self.kv_budget is not None:
+            from memory.budget import BudgetSpec
+
+            BudgetSpec.parse(self.kv_budget)
+        if self.price_per_hour is not None and self.price_per_hour < 0:
+            raise ValueError(f"--price-per-hour must be >= 0, got {self.price_per_hour}")
+        from agent.tools import ToolPermissions
+
+        ToolPermissions.parse(self.allow_tools, root=self.workdir)  # validates the names
+
+    @property
+    def reply_reserve(self) -> int:
+        return self.reserve_tokens if self.reserve_tokens is not None else self.max_tokens

@@ -1,0 +1,57 @@
+"""A model stand-in for agent tests: it replays canned replies through the real Backend shape."""
+
+import threading
+from collections.abc import Generator
+from typing import Any
+
+from runtime.backend import ChatPrompt
+from runtime.engine import CompletionDelta
+from runtime.metrics import RequestMetrics
+from runtime.sampling import SamplingParams
+
+
+class ScriptedBackend:
+    """Replies with the next canned text, a few characters per delta."""
+
+    kind = "local"
+    model_name = "scripted"
+
+    def __init__(self, tokenizer: Any, replies: list[str], gate: threading.Event | None = None) -> None:
+        self._tokenizer = tokenizer
+        self.replies = list(replies)
+        self.prompts: list[ChatPrompt] = []
+        self.gate = gate
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 100
+
+    @property
+    def kv_dtypes(self) -> tuple[str, str]:
+        return "float32", "float32"
+
+    def stats(self) -> None:
+        return None
+
+    def stream(self, prompt: ChatPrompt, params: SamplingParams) -> Generator[CompletionDelta, None, None]:
+        self.prompts.append(prompt)
+        text = self.replies.pop(0)
+        pieces = [text[i : i + 5] for i in range(0, len(text), 5)]
+        for i, piece in enumerate(pieces):
+            if self.gate is not None and i == 2:
+                self.gate.wait(5)
+            yield CompletionDelta("r", [0], piece)
+        assert prompt.token_ids is not None
+        metrics = RequestMetrics(
+            num_prompt_tokens=len(prompt.token_ids),
+            num_prefilled_tokens=len(prompt.token_ids),
+            prefill_ms=10.0,
+            ttft_ms=12.0,
+            num_generated_tokens=len(pieces),
+            decode_ms=20.0,
+        )
+        yield CompletionDelta("r", [], "", finished=True, finish_reason="stop", metrics=metrics)
