@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from agent import cli, oneshot
+from agent import cli, headless
+from agent.config import AgentConfig
+from agent.headless import HeadlessRun
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,7 +38,8 @@ def assert_one_error_line(stderr: str) -> None:
 def test_help() -> None:
     result = liubai("--help")
     assert result.returncode == 0
-    assert "run" in result.stdout and "pull" in result.stdout
+    for command in ("chat", "run", "pull", "plan", "logs", "serve"):
+        assert command in result.stdout
     run_help = liubai("run", "--help")
     for flag in (
         "--model",
@@ -52,6 +55,14 @@ def test_help() -> None:
         "--k-dtype",
         "--v-dtype",
         "--json",
+        "--jsonl",
+        "--script",
+        "--jobs",
+        "--session",
+        "--kv-budget",
+        "--db",
+        "--allow-tools",
+        "--price-per-hour",
     ):
         assert flag in run_help.stdout
 
@@ -94,42 +105,71 @@ def test_bad_values_are_usage_errors(flags: list[str], fragment: str) -> None:
     assert fragment in result.stderr
 
 
-def test_kv_dtype_flags_reach_the_run_options(monkeypatch: pytest.MonkeyPatch) -> None:
+Seen = list[tuple[AgentConfig, HeadlessRun]]
+
+
+@pytest.fixture
+def seen_runs(monkeypatch: pytest.MonkeyPatch) -> Seen:
+    seen: Seen = []
+
+    def fake(config: AgentConfig, run: HeadlessRun) -> int:
+        seen.append((config, run))
+        return 0
+
+    monkeypatch.setattr(headless, "run_headless", fake)
+    return seen
+
+
+def test_kv_dtype_flags_reach_the_config(seen_runs: Seen) -> None:
+    from agent.config import KV_DTYPES as CONFIG_KV_DTYPES
     from runtime.kv_quant import KV_DTYPES
 
-    assert oneshot.KV_DTYPES == KV_DTYPES
-    seen: list[oneshot.RunOptions] = []
-    monkeypatch.setattr(oneshot, "run_oneshot", lambda options: seen.append(options))
-    assert cli.main(["run", "hi", "--kv-dtype", "int8", "--v-dtype", "int4"]) == 0
-    assert (seen[0].kv_dtype, seen[0].k_dtype, seen[0].v_dtype) == ("int8", None, "int4")
+    assert CONFIG_KV_DTYPES == KV_DTYPES
+    assert cli.main(["run", "hi", "--kv-dtype", "int8", "--v-dtype", "int4", "--kv-budget", "24MiB"]) == 0
+    config, _ = seen_runs[0]
+    assert (config.kv_dtype, config.k_dtype, config.v_dtype) == ("int8", None, "int4")
+    assert config.kv_budget == "24MiB"
     bad = liubai("run", "--kv-dtype", "int3", "x")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
 
-def test_dash_reads_prompt_from_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[oneshot.RunOptions] = []
-    monkeypatch.setattr(oneshot, "run_oneshot", lambda options: seen.append(options))
+def test_dash_reads_prompt_from_stdin(monkeypatch: pytest.MonkeyPatch, seen_runs: Seen) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello from stdin\n"))
 
     assert cli.main(["run", "-", "--system", "be brief", "--seed", "3"]) == 0
-    assert seen[0].prompt == "hello from stdin\n"
-    assert seen[0].system == "be brief" and seen[0].seed == 3
+    config, run = seen_runs[0]
+    assert run.prompt == "hello from stdin\n"
+    assert config.system == "be brief" and config.seed == 3
+
+
+def test_script_flags_reach_the_run(seen_runs: Seen) -> None:
+    assert cli.main(["run", "--script", "a.jsonl", "--script", "b.toml", "-j", "2", "--jsonl"]) == 0
+    _, run = seen_runs[0]
+    assert run.scripts == ["a.jsonl", "b.toml"] and run.jobs == 2 and run.output == "jsonl"
 
 
 def test_ctrl_c_exits_130_without_traceback(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def interrupted(options: oneshot.RunOptions) -> None:
+    def interrupted(config: AgentConfig, run: HeadlessRun) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(oneshot, "run_oneshot", interrupted)
+    monkeypatch.setattr(headless, "run_headless", interrupted)
     assert cli.main(["run", "hi"]) == 130
     assert "Traceback" not in capsys.readouterr().err
 
 
 @pytest.mark.model
-def test_run_streams_reply_and_timing(default_model_path: Path) -> None:
-    result = liubai("run", "--max-tokens", "6", "What is the capital of France?", timeout=300)
+def test_run_streams_reply_and_timing(default_model_path: Path, tmp_path: Path) -> None:
+    result = liubai(
+        "run",
+        "--db",
+        str(tmp_path / "t.db"),
+        "--max-tokens",
+        "6",
+        "What is the capital of France?",
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "tok/s" in result.stderr and "prompt " in result.stderr
@@ -137,11 +177,14 @@ def test_run_streams_reply_and_timing(default_model_path: Path) -> None:
 
 
 @pytest.mark.model
-def test_run_json(default_model_path: Path) -> None:
-    result = liubai("run", "--json", "--max-tokens", "4", "Say hi", timeout=300)
+def test_run_json(default_model_path: Path, tmp_path: Path) -> None:
+    result = liubai(
+        "run", "--db", str(tmp_path / "t.db"), "--json", "--max-tokens", "4", "Say hi", timeout=300
+    )
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
-    assert payload["is_error"] is False
-    assert 0 < payload["usage"]["completion_tokens"] <= 4
-    assert payload["answer"] and payload["timings"]["num_prompt_tokens"] > 0
-    assert payload["finish_reason"] in ("stop", "length")
+    assert payload["is_error"] is False and payload["error"] is None
+    assert 0 < payload["usage"]["generated_tokens"] <= 4
+    assert payload["answer"] and payload["usage"]["prompt_tokens"] > 0
+    assert payload["turns"][0]["finish_reason"] in ("stop", "length")
+    assert payload["kv"]["tokens"] == payload["usage"]["prompt_tokens"] + payload["usage"]["generated_tokens"]

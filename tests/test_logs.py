@@ -1,0 +1,104 @@
+"""``liubai logs``: sessions, requests and compactions read back from the store."""
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent import cli
+from agent.config import AgentConfig
+from agent.session import AgentSession
+from memory.store import Store
+from tests.scripted_backend import ScriptedBackend
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_path)
+
+
+@pytest.fixture
+def db(tmp_path: Path, tokenizer: Any) -> Path:
+    """Two sessions: two turns at $3.60/h, and one turn unpriced."""
+    path = tmp_path / "logs.db"
+    config = AgentConfig(db=str(path), tools=False, price_per_hour=3.6)
+    session = AgentSession.open(ScriptedBackend(tokenizer, ["One.", "Two."]), Store(path), config)  # type: ignore[arg-type]
+    session.run_turn("first")
+    session.run_turn("second")
+    other = AgentConfig(db=str(path), tools=False)
+    AgentSession.open(ScriptedBackend(tokenizer, ["Three."]), Store(path), other).run_turn("third")  # type: ignore[arg-type]
+    return path
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = cli.main(["logs", *args])
+    return code, capsys.readouterr().out
+
+
+def test_list_sessions_json(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(capsys, "--db", str(db), "--json")
+    assert code == 0
+    first, second = json.loads(out)
+    assert (first["turns"], first["requests"], second["turns"]) == (2, 2, 1)
+    rows = Store(db).requests(first["id"])
+    assert first["prompt_tokens"] == sum(r["prompt_tokens"] for r in rows)
+    assert first["compute_s"] == pytest.approx(2 * 0.030)  # 10 ms prefill + 20 ms decode per request
+    assert first["cost_usd"] == pytest.approx(3.6 * 0.060 / 3600)
+    assert second["cost_usd"] is None and first["ttft_ms_median"] == 12.0
+
+
+def test_list_sessions_table(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(capsys, "--db", str(db))
+    assert code == 0
+    header, *rows = out.splitlines()
+    for column in (
+        "session",
+        "turns",
+        "prompt",
+        "cached",
+        "generated",
+        "ttft p50",
+        "decode",
+        "compute",
+        "cost",
+    ):
+        assert column in header
+    assert len(rows) == 2 and "$0.000060" in rows[0]
+
+
+def test_show_lists_every_request(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sessions = Store(db).list_sessions()
+    code, out = run(capsys, "--db", str(db), "show", sessions[0].id, "--json")
+    assert code == 0
+    payload = json.loads(out)
+    assert [r["turn"] for r in payload["requests"]] == [1, 2]
+    assert payload["session"]["id"] == sessions[0].id and payload["compactions"] == []
+    code, text = run(capsys, "--db", str(db), "show", sessions[0].id)
+    assert code == 0 and sessions[0].id in text and "turn" in text
+
+
+def test_show_unknown_session_is_one_line(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["logs", "--db", str(db), "show", "nope"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"liubai: error: no session 'nope' in {db}"]
+
+
+def test_export_jsonl_and_csv(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, out = run(capsys, "--db", str(db), "export", "--format", "jsonl")
+    records = [json.loads(line) for line in out.splitlines()]
+    assert len(records) == 3 and {"session_id", "prompt_tokens", "cost_usd", "ttft_ms"} <= set(records[0])
+    _, out = run(capsys, "--db", str(db), "export", "--format", "csv")
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert len(rows) == 3 and rows[0]["prompt_tokens"] == str(records[0]["prompt_tokens"])
+
+
+def test_path_and_missing_database(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "none.db"
+    assert run(capsys, "--db", str(missing), "path") == (0, f"{missing}\n")
+    assert run(capsys, "--db", str(missing), "--json") == (0, "[]\n")
+    assert not missing.exists()  # listing never creates a database
