@@ -106,6 +106,10 @@ class Engine:
         self._queues: dict[str, queue.SimpleQueue[CompletionDelta]] = {}
         self._state_lock = threading.Lock()  # guards the scheduler's queues and _seqs
         self._step_lock = threading.Lock()  # one caller advances the engine at a time
+        # Callers that find the engine busy sleep on this until the running step ends, rather
+        # than polling: N polling threads would take the GIL from the one doing the work.
+        self._stepped = threading.Condition()
+        self._num_steps = 0
         self._max_batch_size = 0
 
     # -- requests -----------------------------------------------------------------------------
@@ -229,14 +233,20 @@ class Engine:
         return delta
 
     def _advance(self) -> None:
-        """Step the engine if no other caller is doing so; otherwise let that caller work."""
+        """Step the engine if no other caller is doing so; otherwise wait for that caller's step."""
+        seen = self._num_steps
         if self._step_lock.acquire(blocking=False):
             try:
                 self.step()
             finally:
                 self._step_lock.release()
+                with self._stepped:
+                    self._num_steps += 1
+                    self._stepped.notify_all()
         else:
-            time.sleep(0.001)
+            with self._stepped:
+                # The timeout only bounds a wait on a step that was aborted or raised.
+                self._stepped.wait_for(lambda: self._num_steps != seen, timeout=0.05)
 
     # -- front doors --------------------------------------------------------------------------
 
