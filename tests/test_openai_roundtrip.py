@@ -1,0 +1,75 @@
+"""The agent over HTTP: the OpenAI backend against ``liubai serve`` gives the local engine's answers.
+
+Real HTTP on loopback, the real default model, one engine behind both paths: the same headless
+script runs once through the local backend and once through the OpenAI-compatible client talking
+to ``liubai serve``, and (greedy) every turn's answer is the same.
+"""
+
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.config import AgentConfig
+from agent.headless import HeadlessRun, run_headless
+from agent.serve import OpenAIServer
+from runtime import Engine
+from runtime.backend import Backend, LocalBackend
+from runtime.openai_backend import OpenAIBackend
+
+MODEL = "smollm2-135m-instruct"
+TURNS = [
+    "My name is Ada and I keep bees in Lyon.",
+    "How many legs does a bee have?",
+    "What is my name?",
+]
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_path: Path) -> Engine:
+    return Engine(model=str(default_model_path), kv_pool="128MiB")
+
+
+@pytest.fixture(scope="module")
+def server(engine: Engine) -> Iterator[OpenAIServer]:
+    with OpenAIServer(engine, MODEL, port=0) as running:
+        yield running.start()
+
+
+def run_script(backend: Backend, tmp_path: Path, name: str) -> dict[str, Any]:
+    script = tmp_path / f"{name}.jsonl"
+    script.write_text("".join(json.dumps({"user": t}) + "\n" for t in TURNS))
+    config = AgentConfig(
+        model=MODEL, db=str(tmp_path / f"{name}.db"), max_tokens=16, tools=False, kv_budget="4096tok"
+    )
+    out = io.StringIO()
+    code = run_headless(
+        config, HeadlessRun(scripts=[str(script)], output="json"), out, io.StringIO(), backend
+    )
+    assert code == 0, out.getvalue()
+    result: dict[str, Any] = json.loads(out.getvalue())
+    return result
+
+
+def test_same_answers_through_both_backends(
+    engine: Engine, server: OpenAIServer, default_model_path: Path, tmp_path: Path
+) -> None:
+    local = run_script(LocalBackend(engine, model_name=MODEL), tmp_path, "local")
+    remote_backend = OpenAIBackend(server.url, MODEL, tokenizer_path=default_model_path)
+    remote = run_script(remote_backend, tmp_path, "remote")
+
+    assert [t["answer"] for t in remote["turns"]] == [t["answer"] for t in local["turns"]]
+    # The server reports its prefix cache: turn 2 reuses turn 1's prompt.
+    assert remote["turns"][1]["usage"]["cached_tokens"] > 0
+    assert [t["usage"]["prompt_tokens"] for t in remote["turns"]] == [
+        t["usage"]["prompt_tokens"] for t in local["turns"]
+    ]
+    # Bytes are unknown behind an HTTP API: the budget is in tokens and bytes are reported as unknown.
+    assert remote["kv"]["budget_tokens"] == 4096
+    assert remote["kv"]["bytes"] is None and remote["kv"]["budget_bytes"] is None
+    assert remote["kv"]["k_dtype"] is None
