@@ -19,7 +19,7 @@ _SHAPE_FLAGS = ("layers", "heads", "kv_heads", "head_dim")
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from agent.oneshot import KV_DTYPES
+    from agent.config import KV_DTYPES
     from runtime.kv_plan import BLOCK_SIZE, DEFAULT_DTYPE, MODEL_DTYPES
     from runtime.model_registry import DEFAULT_MODEL
 
