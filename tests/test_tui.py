@@ -351,6 +351,25 @@ def test_stats_screen_shows_the_session_totals(tokenizer: Any, tmp_path: Path) -
     assert "| blocks | 0 used · " in screen.markdown
 
 
+def test_stats_screen_shows_the_cost_slope_once_it_can_be_fitted(tokenizer: Any, tmp_path: Path) -> None:
+    session = open_session(ReplayBackend(tokenizer, REPLIES), tmp_path, kv_budget="2000tok")
+    seen: dict[str, str] = {}
+
+    async def scenario(app: LiubaiApp, pilot: Pilot[None]) -> None:
+        await send(app, pilot, "What are tides?")
+        await send(app, pilot, "/stats")
+        seen["early"] = app.screen.markdown  # type: ignore[attr-defined]
+        app.pop_screen()
+        for question in ("And reefs?", "How deep is the sea?", "What about kelp?"):
+            await send(app, pilot, question)
+        await send(app, pilot, "/stats")
+        seen["later"] = app.screen.markdown  # type: ignore[attr-defined]
+
+    run_app(session, scenario)
+    assert "## Cost slope" in seen["early"] and "Not enough turns yet" in seen["early"]
+    assert "decode ms/token" in seen["later"] and "per 1k ctx" in seen["later"]
+
+
 def test_remote_backend_shows_what_it_knows_and_na_for_the_rest(tokenizer: Any, tmp_path: Path) -> None:
     session = open_session(ReplayBackend(tokenizer, REPLIES, remote=True), tmp_path, kv_budget="2000tok")
     seen: dict[str, str] = {}

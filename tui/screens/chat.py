@@ -51,7 +51,7 @@ from ..widgets.latency_panel import LatencyPanel, LatencySample
 from ..widgets.pool_panel import PoolPanel, PrefixHits
 from ..widgets.turn_map import TurnMap
 from .help import HelpScreen
-from .stats import StatsScreen, stats_markdown
+from .stats import StatsScreen, session_slope_text, stats_markdown
 
 USER_ERRORS = (EngineError, MemoryLayerError, ValueError)
 IDLE_HINT = "Message · Enter sends · /help for commands"
@@ -198,7 +198,12 @@ class ChatScreen(Screen[None]):
         if name == "stats":
             engine = self.session.backend.stats()
             markdown = stats_markdown(
-                self.session.session_id, self.session.backend.model_name, self._snapshot, self.totals, engine
+                self.session.session_id,
+                self.session.backend.model_name,
+                self._snapshot,
+                self.totals,
+                engine,
+                session_slope_text(self.session.store.path, self.session.session_id),
             )
             self.app.push_screen(StatsScreen(markdown))
             return True

@@ -1,11 +1,14 @@
 """``/stats``: this session's totals, its context, and the engine's pool and prefix cache."""
 
+from pathlib import Path
+
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Markdown
 
+from memory.store import Store
 from runtime.metrics import EngineStats
 from runtime.sizes import format_bytes
 
@@ -13,8 +16,28 @@ from ..messages import ContextSnapshot
 from ..totals import SessionTotals
 
 
+def session_slope_text(db_path: Path, session_id: str) -> str | None:
+    """The session's cost slope (``liubai logs slope``) as text, or None before it can be fitted.
+
+    Read through a connection of its own: the agent's worker may be writing on the session's.
+    """
+    from agent.logs_slope import render_slope, session_slope
+
+    store = Store(db_path)
+    try:
+        report = session_slope(store, session_id)
+        return render_slope(report) if report is not None else None
+    finally:
+        store.close()
+
+
 def stats_markdown(
-    session_id: str, model: str, context: ContextSnapshot, totals: SessionTotals, engine: EngineStats | None
+    session_id: str,
+    model: str,
+    context: ContextSnapshot,
+    totals: SessionTotals,
+    engine: EngineStats | None,
+    slope: str | None = None,
 ) -> str:
     states = {s: sum(t.state == s for t in context.turns) for s in ("live", "summarized", "evicted")}
     hit = f"{totals.cached_tokens / totals.prompt_tokens:.0%}" if totals.prompt_tokens else "n/a"
@@ -46,7 +69,11 @@ def stats_markdown(
             ("preemptions", f"{engine.num_preemptions}"),
         ]  # fmt: skip
     table = "\n".join(f"| {name} | {value} |" for name, value in rows)
-    return f"# Session stats\n\n| | |\n|---|---|\n{table}\n"
+    if slope is None:
+        growth = "Not enough turns yet to fit how latency and cost grow with context (needs 3)."
+    else:
+        growth = f"```\n{slope}\n```"
+    return f"# Session stats\n\n| | |\n|---|---|\n{table}\n\n## Cost slope\n\n{growth}\n"
 
 
 class StatsScreen(ModalScreen[None]):
