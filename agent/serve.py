@@ -1,4 +1,4 @@
-"""``liubai serve``: the local engine behind the OpenAI-compatible HTTP API.
+"""``liubai serve``: the HTTP server that puts the local engine behind OpenAI's API.
 
 One engine, many clients, and no event loop of our own: the standard library's
 ``ThreadingHTTPServer`` gives each connection a thread, and each request thread calls
@@ -8,10 +8,11 @@ noticed at its next delta (its socket reads as closed, or a write fails); closin
 stream then aborts its request, and the other clients never notice.
 
 Endpoints: ``POST /v1/chat/completions`` and ``/v1/completions`` (streamed or not),
-``GET /v1/models``, ``GET /health``, and ``GET /metrics`` in Prometheus text with vLLM's metric
-names, so a dashboard built for vLLM reads it unchanged. Every error has OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``; a bug is a one-line 500 whose traceback goes
-to the server's log, never to the client.
+``GET /v1/models``, ``GET /health``, and ``GET /metrics``. This module owns the connection:
+routing, authorization, bodies, chunked writes, shutdown. What a request body means and what
+a reply looks like lives in :mod:`agent.openai_protocol`; what ``/metrics`` counts and how it is
+written, in :mod:`agent.serve_metrics`. A bug is a one-line 500 whose traceback goes to the
+server's log, never to the client.
 
 Bounded on purpose: loopback only unless an API key is set, bodies up to ``max_body_bytes``,
 and no prompt the model's context or the KV pool cannot hold.
@@ -23,32 +24,35 @@ import hmac
 import ipaddress
 import json
 import logging
-import math
 import select
 import socket
 import socketserver
 import sys
 import threading
 import time
-import uuid
-from bisect import bisect_left
 from collections.abc import Callable, Generator, Iterator
 from contextlib import closing, contextmanager
-from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import chain
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
-from jinja2 import TemplateError
-
+from agent.openai_protocol import (
+    ApiError,
+    GenerationRequest,
+    Reply,
+    completion_prompt,
+    render_chat,
+    sampling_params,
+    stream_flags,
+    usage,
+)
+from agent.serve_metrics import ServerMetrics
 from runtime.errors import PromptTooLongError
-from runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from runtime.engine import CompletionDelta, Engine
-    from runtime.metrics import EngineStats, RequestMetrics
 
 DEFAULT_MAX_BODY_BYTES = 1024**2
 # An unwanted body (of a request refused early) up to this size is read and dropped, so the
@@ -56,7 +60,6 @@ DEFAULT_MAX_BODY_BYTES = 1024**2
 MAX_DISCARD_BYTES = 16 * 1024**2
 KEEPALIVE_TIMEOUT_S = 120.0  # an idle connection's thread ends after this long
 SHUTDOWN_GRACE_S = 5.0  # how long shutdown waits for in-flight replies to notice and end
-_ROLES = ("system", "developer", "user", "assistant", "tool")
 _ROUTES: dict[str, tuple[str, ...]] = {
     "/v1/chat/completions": ("POST",),
     "/v1/completions": ("POST",),
@@ -67,30 +70,6 @@ _ROUTES: dict[str, tuple[str, ...]] = {
 }
 
 logger = logging.getLogger("liubai.serve")
-
-
-class ApiError(Exception):
-    """An error reply: an HTTP status and OpenAI's error object."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.headers = headers or {}
-
-    def to_dict(self) -> dict[str, Any]:
-        kind = "server_error" if self.status >= 500 else "invalid_request_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
 class _Abandoned(Exception):
@@ -123,398 +102,6 @@ def check_bind(host: str, api_key: str | None) -> None:
             f"refusing to listen on {host or 'all interfaces'} without an API key; "
             "set one with --api-key-env VAR, or bind to 127.0.0.1"
         )
-
-
-# --- requests --------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class GenerationRequest:
-    """One validated completion request, ready for the engine."""
-
-    endpoint: str  # "chat" or "completion"
-    prompt_ids: list[int]
-    params: SamplingParams
-    stream: bool = False
-    include_usage: bool = False
-
-    @property
-    def prompt_param(self) -> str:
-        return "messages" if self.endpoint == "chat" else "prompt"
-
-
-def _optional(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) != (bool in kinds) or not isinstance(value, kinds):
-        raise ApiError(400, f"'{name}' must be {what}", param=name)
-    return value
-
-
-def _int(body: dict[str, Any], name: str, minimum: int | None = None) -> int | None:
-    value: int | None = _optional(body, name, (int,), "an integer")
-    if value is not None and minimum is not None and value < minimum:
-        raise ApiError(400, f"'{name}' must be at least {minimum}, got {value}", param=name)
-    return value
-
-
-def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
-    value = _optional(body, name, (int, float), "a number")
-    if value is not None and not low <= value <= high:
-        raise ApiError(400, f"'{name}' must be between {low} and {high}, got {value}", param=name)
-    return None if value is None else float(value)
-
-
-def _bool(body: dict[str, Any], name: str) -> bool:
-    return bool(_optional(body, name, (bool,), "true or false"))
-
-
-def _message_text(content: Any, index: int) -> str:
-    """A message's text: a string, null, or a list of ``{"type": "text", "text": ...}`` parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
-            return "\n".join(cast(list[str], texts))
-    raise ApiError(
-        400, f"messages[{index}].content must be a string or a list of text parts", param="messages"
-    )
-
-
-def render_chat(tokenizer: Any, messages: Any) -> list[int]:
-    """Chat messages as the model expects them: its chat template with the assistant turn opened,
-    tokenized without extra special tokens because the template placed them (as ``liubai run``)."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    rendered: list[dict[str, str]] = []
-    for i, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role not in _ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(_ROLES)}", param="messages")
-        rendered.append(
-            {
-                "role": "system" if role == "developer" else role,
-                "content": _message_text(message.get("content"), i),
-            }
-        )
-    if not getattr(tokenizer, "chat_template", None):
-        raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
-    try:
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
-    except (TemplateError, ValueError) as exc:
-        raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
-    ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ids
-
-
-def completion_prompt(engine: Engine, prompt: Any) -> list[int]:
-    """``prompt`` as token ids: a string (tokenized like ``engine.generate`` does), a list of token
-    ids, or a one-element list of either; several prompts in one request are not supported."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return engine.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        vocab_size = getattr(engine.model.config, "vocab_size", None)
-        if vocab_size is not None and not all(0 <= t < vocab_size for t in prompt):
-            raise ApiError(400, f"token ids must be in [0, {vocab_size})", param="prompt")
-        return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
-        raise ApiError(400, "only one prompt per request is supported", param="prompt")
-    raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt")
-
-
-def sampling_params(body: dict[str, Any], num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-    """OpenAI's sampling fields (and vLLM's ``top_k`` and ``ignore_eos``) as engine parameters."""
-    if _int(body, "n") not in (None, 1):
-        raise ApiError(400, "only n=1 is supported", param="n")
-    if _int(body, "best_of") not in (None, 1):
-        raise ApiError(400, "only best_of=1 is supported", param="best_of")
-    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools"):
-        if body.get(name):
-            raise ApiError(400, f"'{name}' is not supported by this server", param=name)
-    max_tokens = _int(body, "max_completion_tokens", 1)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1)
-    room = max_model_len - num_prompt_tokens
-    if max_tokens is None:
-        max_tokens = room
-    elif max_tokens > room:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
-            "in the completion). Please reduce the length of the prompt or completion.",
-            code="context_length_exceeded",
-            param="max_tokens",
-        )
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    top_p = _number(body, "top_p", 0.0, 1.0)
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if temperature is None else temperature,  # OpenAI's default
-            top_p=1.0 if top_p is None else top_p,
-            top_k=_int(body, "top_k", 0) or 0,
-            seed=_int(body, "seed"),
-            stop=stop or [],
-            ignore_eos=_bool(body, "ignore_eos"),
-        )
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from exc
-
-
-# --- replies ---------------------------------------------------------------------------------
-
-
-def usage(num_prompt_tokens: int, metrics: RequestMetrics) -> dict[str, Any]:
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": metrics.num_generated_tokens,
-        "total_tokens": num_prompt_tokens + metrics.num_generated_tokens,
-        "prompt_tokens_details": {"cached_tokens": metrics.num_cached_tokens},
-    }
-
-
-@dataclass(slots=True)
-class _Reply:
-    """The fixed fields of one response, and the shape of its bodies for either endpoint."""
-
-    endpoint: str
-    id: str
-    model: str
-    created: int
-    include_usage: bool
-
-    @classmethod
-    def new(cls, request: GenerationRequest, model: str) -> _Reply:
-        prefix = "chatcmpl" if request.endpoint == "chat" else "cmpl"
-        return cls(
-            request.endpoint, f"{prefix}-{uuid.uuid4().hex}", model, int(time.time()), request.include_usage
-        )
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def full(self, text: str, finish_reason: str | None, usage: dict[str, Any]) -> dict[str, Any]:
-        if self.endpoint == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-            body = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text}
-            body = self._head("text_completion")
-        choice.update(logprobs=None, finish_reason=finish_reason)
-        return {**body, "choices": [choice], "usage": usage}
-
-    def chunk(self, text: str, finish_reason: str | None, *, role: bool = False) -> dict[str, Any]:
-        if self.endpoint == "chat":
-            delta: dict[str, str] = {"role": "assistant", "content": ""} if role else {}
-            if text:
-                delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
-            body = self._head("chat.completion.chunk")
-        else:
-            choice = {"index": 0, "text": text}
-            body = self._head("text_completion")
-        choice.update(logprobs=None, finish_reason=finish_reason)
-        body["choices"] = [choice]
-        if self.include_usage:
-            body["usage"] = None  # as OpenAI does: only the last chunk carries usage
-        return body
-
-    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage}
-
-
-# --- metrics ---------------------------------------------------------------------------------
-
-# vLLM's buckets, so that a vLLM dashboard's quantiles mean the same here.
-# fmt: off
-TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0)
-REQUEST_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                     240.0, 480.0, 960.0, 1920.0, 7680.0)
-# fmt: on
-
-
-class Histogram:
-    """Observation counts per upper bound (``le``), plus their sum and count."""
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-
-class ServerMetrics:
-    """What the server counts itself; the engine's gauges and counters are read at scrape time.
-
-    Prompt tokens count when a request is admitted and generated tokens as they stream, so the
-    counters move during long replies; the latency histograms take a request's engine metrics
-    when it finishes. A request the client abandoned counts as ``finished_reason="abort"``.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        self.request_success: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
-        self.ttft = Histogram(TTFT_BUCKETS_S)
-        self.inter_token = Histogram(ITL_BUCKETS_S)
-        self.e2e = Histogram(REQUEST_BUCKETS_S)
-        self.queue = Histogram(REQUEST_BUCKETS_S)
-
-    def count_prompt(self, num_tokens: int) -> None:
-        with self._lock:
-            self.num_prompt_tokens += num_tokens
-
-    def count_generated(self, num_tokens: int) -> None:
-        with self._lock:
-            self.num_generation_tokens += num_tokens
-
-    def finish(self, reason: str, metrics: RequestMetrics | None, e2e_s: float) -> None:
-        with self._lock:
-            self.request_success[reason] = self.request_success.get(reason, 0) + 1
-            self.e2e.observe(e2e_s)
-            if metrics is not None:
-                self.ttft.observe(metrics.ttft_ms / 1000)
-                self.queue.observe(metrics.queue_ms / 1000)
-                for ms in metrics.inter_token_ms:
-                    self.inter_token.observe(ms / 1000)
-
-    def render(self, stats: EngineStats, model_name: str) -> str:
-        """Prometheus text format 0.0.4, named as vLLM names the same quantities."""
-        out = _Exposition({"model_name": model_name})
-        out.gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running
-        )
-        out.gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting
-        )
-        out.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_usage)
-        out.counter(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            stats.prefix_queried_tokens,
-        )
-        out.counter(
-            "vllm:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            stats.prefix_hit_tokens,
-        )
-        out.counter(
-            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", stats.num_preemptions
-        )
-        out.gauge(
-            "liubai:kv_cache_bytes_in_use",
-            "Bytes of the KV blocks live requests hold.",
-            stats.kv_bytes_in_use,
-        )
-        out.gauge("liubai:kv_cache_pool_bytes", "Bytes of the whole KV pool.", stats.kv_pool_bytes)
-        with self._lock:
-            out.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", self.num_prompt_tokens)
-            out.counter(
-                "vllm:generation_tokens", "Number of generation tokens processed.", self.num_generation_tokens
-            )
-            out.counter_by(
-                "vllm:request_success",
-                "Count of successfully processed requests.",
-                "finished_reason",
-                self.request_success,
-            )
-            out.histogram(
-                "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", self.ttft
-            )
-            out.histogram(
-                "vllm:inter_token_latency_seconds",
-                "Histogram of inter-token latency in seconds.",
-                self.inter_token,
-            )
-            out.histogram(
-                "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", self.e2e
-            )
-            out.histogram(
-                "vllm:request_queue_time_seconds",
-                "Histogram of time spent in WAITING phase for request.",
-                self.queue,
-            )
-        return out.text()
-
-
-class _Exposition:
-    """Prometheus text lines: ``# HELP`` and ``# TYPE`` before each family's samples; counters get
-    their ``_total`` suffix in both, as vLLM's exporter writes them."""
-
-    def __init__(self, labels: dict[str, str]) -> None:
-        self.labels = labels
-        self.lines: list[str] = []
-
-    def gauge(self, name: str, help_text: str, value: float) -> None:
-        self._family(name, "gauge", help_text)
-        self._sample(name, value)
-
-    def counter(self, name: str, help_text: str, value: float) -> None:
-        self._family(f"{name}_total", "counter", help_text)
-        self._sample(f"{name}_total", value)
-
-    def counter_by(self, name: str, help_text: str, label: str, values: dict[str, int]) -> None:
-        self._family(f"{name}_total", "counter", help_text)
-        for label_value, value in values.items():
-            self._sample(f"{name}_total", value, {label: label_value})
-
-    def histogram(self, name: str, help_text: str, hist: Histogram) -> None:
-        self._family(name, "histogram", help_text)
-        cumulative = 0
-        for bound, count in zip((*hist.bounds, math.inf), hist.counts, strict=True):
-            cumulative += count
-            self._sample(f"{name}_bucket", cumulative, {"le": _format_number(float(bound))})
-        self._sample(f"{name}_sum", hist.sum)
-        self._sample(f"{name}_count", hist.count)
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
-
-    def _family(self, name: str, kind: str, help_text: str) -> None:
-        escaped = help_text.replace("\\", "\\\\").replace("\n", "\\n")
-        self.lines += [f"# HELP {name} {escaped}", f"# TYPE {name} {kind}"]
-
-    def _sample(self, name: str, value: float, extra: dict[str, str] | None = None) -> None:
-        labels = {**self.labels, **(extra or {})}
-        body = ",".join(f'{key}="{_escape_label(text)}"' for key, text in labels.items())
-        self.lines.append(f"{name}{{{body}}} {_format_number(value)}")
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _format_number(value: float) -> str:
-    if isinstance(value, int):
-        return str(value)
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return "NaN" if math.isnan(value) else repr(value)
-
-
-# --- the server ------------------------------------------------------------------------------
 
 
 class OpenAIServer:
@@ -557,6 +144,9 @@ class OpenAIServer:
         return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
 
     def start(self) -> OpenAIServer:
+        """Serve on a background thread; a second call does nothing (one thread per socket)."""
+        if self._served:
+            return self
         self._served = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="liubai-serve", daemon=True)
         self._thread.start()
@@ -631,11 +221,7 @@ class OpenAIServer:
             prompt_ids = completion_prompt(self.engine, body.get("prompt"))
         self._check_prompt_fits(prompt_ids, param)
         params = sampling_params(body, len(prompt_ids), self.engine.max_model_len)
-        stream = _bool(body, "stream")
-        options = _optional(body, "stream_options", (dict,), "an object")
-        if options is not None and not stream:
-            raise ApiError(400, "'stream_options' is only allowed with stream=true", param="stream_options")
-        include_usage = options is not None and _bool(options, "include_usage")
+        stream, include_usage = stream_flags(body)
         return GenerationRequest(endpoint, prompt_ids, params, stream, include_usage)
 
     def _check_prompt_fits(self, prompt_ids: list[int], param: str) -> None:
@@ -824,7 +410,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _complete(self, endpoint: str) -> None:
         api = self.api
         request = api.parse(endpoint, self._read_json())
-        reply = _Reply.new(request, api.model_name)
+        reply = Reply.new(request, api.model_name)
         with api.tracking(), closing(api.generate(request, reply.id, self._client_gone)) as deltas:
             first = next(deltas)  # admission errors are still ordinary error replies
             if request.stream:
@@ -843,7 +429,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_stream(
         self,
         request: GenerationRequest,
-        reply: _Reply,
+        reply: Reply,
         first: CompletionDelta,
         deltas: Iterator[CompletionDelta],
     ) -> None:

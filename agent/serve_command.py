@@ -3,8 +3,8 @@
 ``add_parser`` declares the subcommand on the CLI's subparsers; ``run`` checks what can be
 checked before any weight is loaded (the API key, the bind address), then loads the engine and
 serves until Ctrl-C, which the CLI turns into exit 130. Nothing heavy is imported at module import.
-``python -m agent.serve_command`` runs the same thing without the rest of the CLI (the benchmark
-uses it).
+``python -m agent.serve_command`` runs the same thing without the rest of the CLI. The server
+itself is :mod:`agent.serve`.
 """
 
 import argparse

@@ -57,7 +57,8 @@ def served(model_dir: str, dtype: str) -> Iterator[tuple[str, str]]:
 
     Ctrl-C (SIGINT) stops it at the end, the way a user would."""
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    command = [sys.executable, "-m", "agent.serve_command", "--model", model_dir, "--port", "0"]
+    liubai = Path(sys.executable).parent / "liubai"  # the console script beside this interpreter
+    command = [str(liubai), "serve", "--model", model_dir, "--port", "0"]
     command += ["--dtype", dtype, "--kv-pool", KV_POOL, "--max-num-seqs", "64"]
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=ROOT)

@@ -38,7 +38,7 @@ def engine(default_model_path: Path) -> Engine:
 @pytest.fixture(scope="module")
 def server(engine: Engine) -> Iterator[OpenAIServer]:
     with OpenAIServer(engine, MODEL, port=0) as running:
-        yield running.start()
+        yield running
 
 
 def run_script(backend: Backend, tmp_path: Path, name: str) -> dict[str, Any]:
