@@ -44,6 +44,7 @@ class AgentConfig:
     prices: str | None = None  # "in=2.5,cached=1.25,out=10" or a preset name
     price_table: str | None = None
     reserve_tokens: int | None = None  # None: max_tokens
+    summary_tokens: int = 192  # most tokens one summarization request may write
     high_watermark: float = 0.85
     low_watermark: float = 0.55
     max_num_seqs: int = 64
@@ -62,6 +63,8 @@ class AgentConfig:
             raise ValueError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.summary_tokens < 16:
+            raise ValueError(f"--summary-tokens must be at least 16, got {self.summary_tokens}")
         if self.max_tool_rounds < 0:
             raise ValueError(f"--max-tool-rounds must be >= 0, got {self.max_tool_rounds}")
         for flag, value in (

@@ -131,7 +131,7 @@ class AgentSession:
     ) -> "AgentSession":
         """A new session, or the stored one with ``session_id`` resumed."""
         prices = build_prices(config, backend.model_name)
-        options: dict[str, Any] = {"recall": config.recall}
+        options: dict[str, Any] = {"recall": config.recall, "max_summary_tokens": config.summary_tokens}
         if session_id is not None:
             context = ContextManager.resume(store, backend, session_id, config.kv_budget, **options)
         else:
