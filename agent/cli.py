@@ -122,6 +122,13 @@ def add_agent_options(p: argparse.ArgumentParser) -> None:
     kv.add_argument(
         "--no-recall", action="store_true", help="do not bring evicted turns back into the prompt"
     )
+    kv.add_argument(
+        "--summary-tokens",
+        type=int,
+        default=192,
+        metavar="N",
+        help="most tokens a compaction's summary may take (default: 192)",
+    )
 
     sampling = p.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply (default: 256)")
@@ -192,6 +199,7 @@ def agent_config(args: argparse.Namespace) -> "AgentConfig":
             extra_paths=tuple(args.allow_path),
             max_tool_rounds=args.max_tool_rounds,
             recall=not args.no_recall,
+            summary_tokens=args.summary_tokens,
             price_per_hour=args.price_per_hour,
             prices=args.prices,
             price_table=args.price_table,
