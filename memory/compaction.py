@@ -8,6 +8,7 @@ share of the budget is summarized again (depth + 1), and as a last resort cut to
 front of the prompt is bounded whatever the model writes.
 """
 
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ SHORTEN_INSTRUCTIONS = (
     "Shorten this summary of a conversation to at most {max_words} words. Keep every name, number, "
     "date, file path, decision and open question exactly as written."
 )
+FOCUS_PREFIX = "Pay particular attention to: "
 MAX_SUMMARY_DEPTH = 3
 TRUNCATION_MARK = " […] "
 
@@ -129,9 +131,11 @@ class Summarizer:
             num_requests += 1
         depth = 0
         while self.renderer.count("system", summary) > cap_tokens and depth < MAX_SUMMARY_DEPTH:
+            focus_line = f"\n\n{FOCUS_PREFIX}{focus}" if focus else ""  # a focus outlives shortening
+            text = _fit(self.renderer, summary, room - 64 - len(self.renderer.encode(focus_line)))
             shorten = [
                 {"role": "system", "content": SHORTEN_INSTRUCTIONS.format(max_words=_words(cap_tokens))},
-                {"role": "user", "content": _fit(self.renderer, summary, room - 64)},
+                {"role": "user", "content": text + focus_line},
             ]
             summary = self._ask(shorten, reply_tokens)
             num_requests += 1
@@ -145,7 +149,7 @@ class Summarizer:
     ) -> list[dict[str, str]]:
         parts = [f"Previous summary:\n{previous or '(none yet)'}", "New messages:\n" + "\n".join(lines)]
         if focus:
-            parts.append(f"Pay particular attention to: {focus}")
+            parts.append(f"{FOCUS_PREFIX}{focus}")
         return [
             {"role": "system", "content": SUMMARY_INSTRUCTIONS.format(max_words=_words(reply_tokens))},
             {"role": "user", "content": "\n\n".join(parts)},
@@ -198,11 +202,24 @@ class Summarizer:
                 metrics = delta.metrics
         if metrics is not None and self.on_request is not None:
             self.on_request("summary", metrics, len(ids) + metrics.num_generated_tokens)
-        text = "".join(parts).strip()
+        text = collapse_repeats("".join(parts)).strip()
         if not text:  # a model that answers nothing still must not lose the previous summary
             text = messages[-1]["content"]
             text = _truncate(self.renderer, text, max_tokens)
         return text
+
+
+def collapse_repeats(text: str) -> str:
+    """Cut a loop the model fell into ("no no no no ...") down to one occurrence.
+
+    Small models decoding greedily often repeat a phrase until ``max_tokens``; kept in the
+    summary, the loop would take the front of every later prompt for nothing.
+    """
+    return _LOOP_RE.sub(r"\1", text) if len(text) < 20_000 else text
+
+
+# A span of 1-80 characters ending at a word boundary, followed by at least 3 more copies of itself.
+_LOOP_RE = re.compile(r"(\S.{0,79}?\b\W*)\1{3,}", re.DOTALL)
 
 
 def _words(tokens: int) -> int:

@@ -340,6 +340,7 @@ class ContextManager:
         Recall is searched first so that its note counts in the projection: a note that would
         push the prompt past the high watermark triggers the compaction, rather than being cut.
         """
+        self._check_turn_fits()
         compactions: list[CompactionEvent] = []
         found = self._find_recall() if self.recall_enabled else None
         note_tokens = self.renderer.count("system", found.note) if found is not None else 0
@@ -357,12 +358,32 @@ class ContextManager:
         sections["new"] += len(self.renderer.generation_prompt_ids)
         room = self.budget.tokens - len(ids)
         if room < 1:
-            raise BudgetError(
-                f"the prompt needs {len(ids):,} tokens but the KV budget holds {self.budget.tokens:,} "
-                f"({self.budget.spec.text}); the current turn and the pinned turns alone do not fit — "
-                "raise the budget or unpin turns"
-            )
+            raise self._too_big(len(ids))
         return BuiltPrompt(ids, messages, sections, room, self.budget.tokens, recalled, compactions)
+
+    def _check_turn_fits(self) -> None:
+        """Refuse, before compacting anything, a turn that no compaction could make fit.
+
+        What compaction cannot remove is the system prompt, the pinned messages and the turn
+        being answered; if they alone leave no room for one generated token, summarizing the
+        rest of the conversation would only cost time and lose its live context for nothing.
+        """
+        pending = self._pending_turn()
+        if pending is None:
+            return
+        kept = sum(
+            m.token_count for m in self._messages if m.state == "live" and (m.pinned or m.turn == pending)
+        )
+        need = self._section_tokens_fixed() + kept
+        if need >= self.budget.tokens:
+            raise self._too_big(need)
+
+    def _too_big(self, num_tokens: int) -> BudgetError:
+        return BudgetError(
+            f"the prompt needs {num_tokens:,} tokens but the KV budget holds {self.budget.tokens:,} "
+            f"({self.budget.spec.text}); the current turn and the pinned turns alone do not fit — "
+            "raise the budget or unpin turns"
+        )
 
     def _pending_turn(self) -> int | None:
         """The turn being answered (its user message is the last user message and unanswered)."""
@@ -391,11 +412,15 @@ class ContextManager:
             self.budget.low_tokens - self.budget.reserve_tokens - len(self.renderer.generation_prompt_ids)
         )
         summary_cap = int(self.budget.tokens * self.budget.summary_share)
-        expected_summary = min(self.summarizer.max_summary_tokens, summary_cap) + 8
         total = self.context_tokens()
         old_summary = (
             self.renderer.count("system", SUMMARY_HEADER + self._summary_text) if self._summary_text else 0
         )
+        # The new summary is expected to be about as long as the one it replaces (the model is
+        # asked for the same length each time); the first one may take all it is allowed. Taking
+        # the allowance every time evicted a few turns too many whenever summaries came out short.
+        longest = min(self.summarizer.max_summary_tokens, summary_cap) + 8
+        expected_summary = min(longest, max(old_summary + 32, 64)) if old_summary else longest
         chosen: list[int] = []
         for turn in turns:
             chosen.append(turn)
@@ -416,13 +441,17 @@ class ContextManager:
         covered: list[int] = []
         if self.session.summary_id is not None:
             covered = self.store.get_summary(self.session.summary_id).message_ids
-        covered += [m.id for m in to_summarize]
+        already = set(covered)  # a pinned turn that came back and was compacted again
+        covered += [m.id for m in to_summarize if m.id not in already]
+        # The recent section now starts at the first live message after the compacted turns;
+        # pinned turns up to the last compacted one (pinned turns are never compacted, so they
+        # may sit between compacted ones) move in front of the summary, into the pinned section.
         remaining = [m for m in self._messages if m.state == "live" and m not in leaving]
         window_start = min(
             (
                 m.seq
                 for m in remaining
-                if m.seq >= self.session.window_start and not (m.pinned and m.turn in turn_set)
+                if m.seq >= self.session.window_start and not (m.pinned and m.turn <= turns[-1])
             ),
             default=max((m.seq for m in self._messages), default=0) + 1,
         )
@@ -499,7 +528,7 @@ class ContextManager:
         new = chat[-1]
         if any(m.kind == "recall" and m.turn == new.turn for m in self._messages):
             return None  # already recalled (a tool round of the same turn)
-        live_notes = [m.content for m in self._messages if m.kind == "recall" and m.state == "live"]
+        live = [m for m in self._messages if m.state == "live" and m.id != new.id]
         return recall_for(
             self.store,
             self.session.id,
@@ -507,7 +536,8 @@ class ContextManager:
             new.turn,
             int(self.budget.tokens * self.budget.recall_share),
             lambda text: self.renderer.count("system", text),
-            live_notes,
+            [m.content for m in live if m.kind == "recall"],
+            live_texts=[self.session.system, *(m.content for m in live if m.kind == "chat")],
         )
 
     # -- rendering ----------------------------------------------------------------------------

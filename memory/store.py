@@ -115,6 +115,11 @@ class SearchHit:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def _phrase(term: str) -> str:
+    """A term as one quoted FTS5 phrase, whatever characters it holds."""
+    return '"' + term.replace('"', "") + '"'
+
+
 def _record(cls: type, row: dict[str, Any]) -> Any:
     values = {}
     for f in fields(cls):
@@ -130,7 +135,7 @@ def _record(cls: type, row: dict[str, Any]) -> Any:
 class Store:
     """A liubai database. Opening it migrates it; ``path=None`` means the user data dir."""
 
-    def __init__(self, path: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path | None = None, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
         self.path = Path(path) if path is not None else default_db_path()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,14 +143,20 @@ class Store:
             raise StoreError(f"cannot create the directory for {self.path}: {exc.strerror or exc}") from exc
         try:
             conn = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
-            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        except sqlite3.Error as exc:
+            raise self._error("open", exc) from exc
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
             self.db = sqlite_utils.Database(conn)
             self.db.execute("PRAGMA foreign_keys = ON")
             self._migrate()
             if self.db.journal_mode != "wal":
                 self.db.enable_wal()
-        except sqlite3.DatabaseError as exc:
-            raise self._error("open", exc) from exc
+        except BaseException as exc:
+            conn.close()  # a refused database must not stay open (nor locked) behind the error
+            if isinstance(exc, sqlite3.Error):
+                raise self._error("open", exc) from exc
+            raise
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -191,10 +202,11 @@ class Store:
         conn.execute("BEGIN IMMEDIATE")
         try:
             yield
+            conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # a failed COMMIT (busy) leaves it open; never leave it so
+                conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
 
     @contextmanager
     def _writing(self, action: str) -> Iterator[None]:
@@ -346,6 +358,23 @@ class Store:
         return [
             SearchHit(r["id"], r["turn"], r["role"], r["content"], r["state"], float(r["rank"])) for r in rows
         ]
+
+    def document_frequencies(
+        self, session_id: str, terms: Sequence[str], states: Sequence[str] = ("summarized", "evicted")
+    ) -> tuple[int, dict[str, int]]:
+        """How many of this session's conversation messages in ``states`` there are, and how many
+        of them contain each term (an FTS5 phrase match, as :meth:`search` matches it)."""
+        where = f"m.session_id = ? and m.kind = 'chat' and m.state in ({', '.join('?' for _ in states)})"
+        total = self._query(f"select count(*) as n from messages m where {where}", [session_id, *states])
+        counts: dict[str, int] = {}
+        for term in terms:
+            rows = self._query(
+                f"""select count(*) as n from messages_fts join messages m on m.rowid = messages_fts.rowid
+                    where messages_fts match ? and {where}""",
+                [_phrase(term), session_id, *states],
+            )
+            counts[term] = int(rows[0]["n"])
+        return int(total[0]["n"]), counts
 
     # -- summaries and compactions ------------------------------------------------------------
 

@@ -1,0 +1,289 @@
+"""Compaction under a KV byte budget: the same long chat with a bf16/fp32 cache and with int8.
+
+A scripted chat of ``--turns`` turns (default 60) runs through liubai's memory layer under one
+KV budget in bytes, once per KV dtype. Its user messages are made-up archive notes of about
+``--user-words`` words, built offline from a seed; five early turns plant distinctive facts (a
+locker code, a name, a password, a date, a codename) and the last five ask about them, long
+after compaction has taken their turns out of the live context. Replies are the model's greedy
+ones (at most ``--reply-tokens`` tokens). The budget is converted to tokens with the engine's
+exact bytes per token, so the int8 run holds about four times the tokens of the fp32 one.
+
+Each dtype runs the chat twice on the same engine: with recall (the real configuration), then
+with a ``recall=False`` context manager that replays the first run's replies and generates only
+the answers to the five questions, so the two runs differ only in recall.
+
+Per run: ``budget_tokens`` (what the byte budget holds at this dtype); ``max_kv_tokens_seen``
+(prompt + generated, the most any request held: turns and compaction's summarization requests,
+both runs); ``compactions`` and ``compaction_ms_mean`` (recall run); ``live_turns_mean`` (completed
+turns with live messages in the prompt, averaged over the requests from the first compaction on,
+when the budget, not the chat's length, decides it), with ``live_history_tokens_mean`` (their
+tokens) and ``overhead_tokens_mean`` (the rest of each request's KV: system prompt, summary,
+recall note, the new message and the reply reserve, a cost in tokens that does not shrink with
+the budget); ``messages_lost`` (messages added but not in
+the database byte for byte, both runs); ``facts_in_prompt`` (questions whose prompt held the
+fact's original text); ``facts_answered_recall_on`` / ``_off`` (replies containing the fact's key);
+``prefill_tokens_saved`` (sum of the engine's ``num_cached_tokens`` over the recall run's requests).
+"""
+
+import argparse
+import gc
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+from bench import common
+
+SYSTEM = "You are a helpful assistant. Answer briefly."
+FP32_BYTES_PER_TOKEN = 46080  # SmolLM2-135M: 2 x 30 layers x 3 KV heads x 64 dims x 4 bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Fact:
+    text: str
+    question: str
+    key: str  # the token a correct answer contains
+
+
+FACTS = (
+    Fact("Please remember this: my storage locker code is 4817.", "What is my storage locker code?", "4817"),
+    Fact("Please remember this: my sister is called Ottoline.", "What is my sister called?", "Ottoline"),
+    Fact(
+        "Please remember this: the wifi password at the cabin is marmalade77.",
+        "What is the wifi password at the cabin?",
+        "marmalade77",
+    ),
+    Fact(
+        "Please remember this: my dentist appointment is on the 14th of March.",
+        "When is my dentist appointment?",
+        "14",
+    ),
+    Fact(
+        "Please remember this: our secret project codename is Bluefinch.",
+        "What is our secret project codename?",
+        "Bluefinch",
+    ),
+)
+FACT_TURNS = (2, 4, 6, 8, 10)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = common.base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=60)
+    parser.add_argument(
+        "--budget-bytes",
+        type=int,
+        default=2000 * FP32_BYTES_PER_TOKEN,
+        help="the KV budget of every run (default: 2,000 fp32 tokens; int8 must stay under the model's 8k)",
+    )
+    parser.add_argument("--user-words", type=int, default=180, help="words per scripted user message")
+    parser.add_argument("--reply-tokens", type=int, default=32)
+    parser.add_argument("--reserve-tokens", type=int, default=64, help="the budget's reply reserve")
+    parser.add_argument("--kv-dtypes", default="auto,int8")
+    args = common.parse(parser)
+    if args.quick:
+        args.turns, args.budget_bytes = 24, 1000 * FP32_BYTES_PER_TOKEN
+        args.user_words, args.reply_tokens = 120, 16
+    if args.turns < FACT_TURNS[-1] + 2 * len(FACTS):
+        parser.error(f"--turns must be at least {FACT_TURNS[-1] + 2 * len(FACTS)}")
+    return args
+
+
+def script(turns: int, user_words: int) -> list[str]:
+    """The user's messages: archive notes, five facts early, the five questions last."""
+    messages = [
+        f"Notes from the archive, part {turn}: {common.filler_text(500 + turn, user_words)} "
+        "What stands out in these notes?"
+        for turn in range(1, turns + 1)
+    ]
+    for fact, turn in zip(FACTS, FACT_TURNS, strict=True):
+        messages[turn - 1] = fact.text
+    for i, fact in enumerate(FACTS):
+        messages[turns - len(FACTS) + i] = fact.question
+    return messages
+
+
+@dataclass(slots=True)
+class Conversation:
+    """What one pass of the chat measured."""
+
+    replies: list[str] = field(default_factory=list)
+    kv_tokens: list[int] = field(default_factory=list)  # per request, turns and summaries
+    cached_tokens: list[int] = field(default_factory=list)
+    live_turns: list[int] = field(default_factory=list)  # per turn request
+    history_tokens: list[int] = field(default_factory=list)  # tokens of those live turns
+    overhead_tokens: list[int] = field(default_factory=list)  # the rest of the request's KV
+    summary_tokens: list[int] = field(default_factory=list)  # per compaction
+    compaction_turns: list[int] = field(default_factory=list)
+    compaction_ms: list[float] = field(default_factory=list)
+    facts_in_prompt: int = 0
+    facts_answered: int = 0
+    messages_lost: int = 0
+
+
+def converse(
+    backend: Any, store: Any, messages: list[str], args: argparse.Namespace, recall: bool, replay: list[str]
+) -> Conversation:
+    """One pass of the chat; with ``replay``, its replies are reused except for the questions."""
+    from memory import ContextManager
+
+    out = Conversation()
+
+    def on_event(event: Any) -> None:
+        out.compaction_ms.append(event.duration_ms)
+        out.summary_tokens.append(event.summary_tokens)
+
+    def on_request(kind: str, metrics: Any, kv_tokens: int) -> None:
+        out.kv_tokens.append(kv_tokens)
+        out.cached_tokens.append(metrics.num_cached_tokens)
+
+    manager = ContextManager.create(
+        store,
+        backend,
+        system=SYSTEM,
+        budget=f"{args.budget_bytes}B",
+        reserve_tokens=args.reserve_tokens,
+        recall=recall,
+        on_event=on_event,
+        on_request=on_request,
+    )
+    added: list[tuple[str, str]] = []
+    first_question = len(messages) - len(FACTS)
+    for turn, text in enumerate(messages, start=1):
+        manager.add_user(text)
+        added.append(("user", text))
+        prompt = manager.next_prompt()
+        if prompt.compactions:
+            out.compaction_turns.append(turn)
+        live = {m.turn for m in manager.live_messages() if m.kind == "chat" and m.turn != turn}
+        out.live_turns.append(len(live))
+        history = prompt.sections["pinned"] + prompt.sections["recent"]
+        out.history_tokens.append(history)
+        out.overhead_tokens.append(prompt.num_tokens - history + args.reserve_tokens)
+        fact = FACTS[turn - 1 - first_question] if turn > first_question else None
+        if replay and fact is None:
+            reply = replay[turn - 1]
+        else:
+            reply = ask(backend, prompt, args, out)
+        if fact is not None:
+            out.facts_in_prompt += any(fact.text in m["content"] for m in prompt.messages)
+            out.facts_answered += fact.key.lower() in reply.lower()
+            common.log(f"  Q: {fact.question} -> {reply.strip()[:80]!r}")
+        manager.add_assistant(reply)
+        added.append(("assistant", reply))
+        out.replies.append(reply)
+        if turn % 10 == 0 or prompt.compactions:
+            common.log(
+                f"  turn {turn}: {prompt.num_tokens} prompt tokens, {len(live)} live turns, "
+                f"{len(out.compaction_ms)} compactions"
+            )
+    stored = [(m.role, m.content) for m in store.messages(manager.session_id) if m.kind == "chat"]
+    out.messages_lost = sum(1 for a, b in zip(added, stored, strict=False) if a != b) + abs(
+        len(added) - len(stored)
+    )
+    return out
+
+
+def ask(backend: Any, prompt: Any, args: argparse.Namespace, out: Conversation) -> str:
+    """One greedy turn request; its KV and prefix-cache hit go into ``out``."""
+    params = common.sampling(min(args.reply_tokens, prompt.max_tokens), ignore_eos=False)
+    parts: list[str] = []
+    metrics = None
+    for delta in backend.stream(prompt.chat_prompt(), params):
+        parts.append(delta.text)
+        metrics = delta.metrics or metrics
+    assert metrics is not None
+    out.kv_tokens.append(prompt.num_tokens + metrics.num_generated_tokens)
+    out.cached_tokens.append(metrics.num_cached_tokens)
+    return "".join(parts)
+
+
+def run_dtype(model_dir: str, kv_dtype: str, messages: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    from memory import Store
+    from runtime.backend import LocalBackend
+
+    engine = common.make_engine(model_dir, args.dtype, kv_dtype=kv_dtype)
+    backend = LocalBackend(engine)
+    budget_tokens = args.budget_bytes // backend.bytes_per_token
+    common.log(f"{kv_dtype}: {backend.bytes_per_token} bytes per token, budget holds {budget_tokens} tokens")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(Path(tmp) / "compaction.db")
+        common.log(f"{kv_dtype}: recall on")
+        on = converse(backend, store, messages, args, recall=True, replay=[])
+        engine.reset_prefix_cache()
+        common.log(f"{kv_dtype}: recall off (replaying the replies)")
+        off = converse(backend, store, messages, args, recall=False, replay=on.replies)
+        store.close()
+    steady_from = on.compaction_turns[0] if on.compaction_turns else 1
+    return {
+        "kv_dtype": kv_dtype,
+        "bytes_per_token": backend.bytes_per_token,
+        "budget_bytes": args.budget_bytes,
+        "budget_tokens": budget_tokens,
+        "live_turns_mean": round(mean(on.live_turns[steady_from - 1 :]), 2),
+        "live_turns_from_turn": steady_from,
+        "live_history_tokens_mean": round(mean(on.history_tokens[steady_from - 1 :])),
+        "overhead_tokens_mean": round(mean(on.overhead_tokens[steady_from - 1 :])),
+        "summary_tokens_mean": round(mean(on.summary_tokens)) if on.summary_tokens else None,
+        "max_kv_tokens_seen": max(on.kv_tokens + off.kv_tokens),
+        "compactions": len(on.compaction_ms),
+        "compaction_turns": on.compaction_turns,
+        "compaction_ms_mean": round(mean(on.compaction_ms), 1) if on.compaction_ms else None,
+        "messages_lost": on.messages_lost + off.messages_lost,
+        "facts_in_prompt": on.facts_in_prompt,
+        "facts_answered_recall_on": on.facts_answered,
+        "facts_answered_recall_off": off.facts_answered,
+        "facts_in_prompt_recall_off": off.facts_in_prompt,
+        "prefill_tokens_saved": sum(on.cached_tokens),
+        "requests": len(on.kv_tokens),
+        "engine_stats": engine.stats().to_dict(),
+    }
+
+
+def targets(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets, checked on the measured runs."""
+    checks: dict[str, Any] = {
+        "kv_within_budget": all(r["max_kv_tokens_seen"] <= r["budget_tokens"] for r in runs),
+        "no_message_lost": all(r["messages_lost"] == 0 for r in runs),
+        "all_facts_in_prompt": all(r["facts_in_prompt"] == len(FACTS) for r in runs),
+        "recall_helps": all(r["facts_answered_recall_on"] > r["facts_answered_recall_off"] for r in runs),
+    }
+    by_dtype = {r["kv_dtype"]: r for r in runs}
+    if "auto" in by_dtype and "int8" in by_dtype:
+        auto, int8 = by_dtype["auto"], by_dtype["int8"]
+        expected = auto["bytes_per_token"] / int8["bytes_per_token"]
+        measured = int8["live_turns_mean"] / auto["live_turns_mean"] if auto["live_turns_mean"] else None
+        checks["live_turns_ratio"] = common.rounded(measured, 3)
+        checks["live_history_tokens_ratio"] = common.ratio(
+            int8["live_history_tokens_mean"], auto["live_history_tokens_mean"]
+        )
+        checks["bytes_per_token_ratio"] = round(expected, 3)
+        checks["live_turns_in_proportion"] = measured is not None and abs(measured / expected - 1) <= 0.15
+    return checks
+
+
+def main() -> None:
+    args = parse_args()
+    model_dir = common.resolve_model_dir(args.model)
+    messages = script(args.turns, args.user_words)
+    runs = []
+    for kv_dtype in args.kv_dtypes.split(","):
+        runs.append(run_dtype(model_dir, kv_dtype.strip(), messages, args))
+        gc.collect()
+    result: dict[str, Any] = {
+        "benchmark": "compaction",
+        "runs": runs,
+        "targets": targets(runs),
+        "turns": args.turns,
+        "user_words": args.user_words,
+        "reply_tokens": args.reply_tokens,
+        "reserve_tokens": args.reserve_tokens,
+        "facts": len(FACTS),
+        **common.environment(args, model_dir),
+    }
+    common.emit("compaction", result)
+
+
+if __name__ == "__main__":
+    main()
