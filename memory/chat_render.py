@@ -21,6 +21,8 @@ _ANCHOR = {"role": "system", "content": "x"}
 
 
 class ChatRenderer:
+    source = "tokenizer"
+
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.template: str | None = None if getattr(tokenizer, "chat_template", None) else FALLBACK_TEMPLATE
@@ -68,3 +70,82 @@ class ChatRenderer:
 
     def count(self, role: str, content: str, first: bool = False) -> int:
         return len(self.message_ids(role, content, first))
+
+
+class _ApproximateTokenizer:
+    """About four characters per token, for a remote model nothing local can count.
+
+    Pieces are interned so that ids decode back to their text, which compaction needs to cut a
+    long message to size. The counts are estimates; the server's reported usage is what the
+    request log records.
+    """
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._pieces: list[str] = []
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for start in range(0, len(text), 4):
+            piece = text[start : start + 4]
+            if piece not in self._ids:
+                self._ids[piece] = len(self._pieces)
+                self._pieces.append(piece)
+            ids.append(self._ids[piece])
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self._pieces[i] for i in ids)
+
+
+class _TiktokenTokenizer:
+    def __init__(self, encoding: Any) -> None:
+        self.encoding = encoding
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.encoding.encode(text, disallowed_special=()))
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.encoding.decode(ids))
+
+
+class CountingRenderer:
+    """Counts a remote model's prompt where no local tokenizer renders it exactly.
+
+    With tiktoken (OpenAI-family models) each message costs its role and content tokens plus
+    OpenAI's documented 3 per message and 3 to prime the reply; without it, an estimate. The ids
+    only count: a remote backend is sent the messages, never these ids.
+    """
+
+    MESSAGE_OVERHEAD = 3
+    REPLY_PRIMING = 3
+
+    def __init__(self, model_name: str) -> None:
+        from runtime.token_counting import TokenCounter
+
+        counter = TokenCounter.for_model(model_name)
+        if counter.source == "tiktoken":
+            self.tokenizer: Any = _TiktokenTokenizer(counter.encoding)
+            self.source = "tiktoken"
+        else:
+            self.tokenizer = _ApproximateTokenizer()
+            self.source = "estimate"
+        self.generation_prompt_ids = [0] * self.REPLY_PRIMING
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text)
+        return ids
+
+    def message_ids(self, role: str, content: str, first: bool = False) -> list[int]:
+        return [0] * self.MESSAGE_OVERHEAD + self.encode(role) + self.encode(content)
+
+    def count(self, role: str, content: str, first: bool = False) -> int:
+        return len(self.message_ids(role, content, first))
+
+
+Renderer = ChatRenderer | CountingRenderer
+
+
+def renderer_for(tokenizer: Any | None, model_name: str) -> Renderer:
+    """The model's own chat template where its tokenizer is local; a counter otherwise."""
+    return ChatRenderer(tokenizer) if tokenizer is not None else CountingRenderer(model_name)

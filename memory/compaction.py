@@ -18,7 +18,7 @@ from runtime.backend import Backend, ChatPrompt
 from runtime.metrics import RequestMetrics
 from runtime.sampling import SamplingParams
 
-from .chat_render import ChatRenderer
+from .chat_render import Renderer
 from .store import MessageRecord
 
 SUMMARY_INSTRUCTIONS = (
@@ -104,7 +104,7 @@ class Summarizer:
     def __init__(
         self,
         backend: Backend,
-        renderer: ChatRenderer,
+        renderer: Renderer,
         max_summary_tokens: int,
         on_request: RequestObserver | None = None,
     ) -> None:
@@ -226,14 +226,14 @@ def _words(tokens: int) -> int:
     return max(20, int(tokens * 0.6))
 
 
-def _truncate(renderer: ChatRenderer, text: str, max_tokens: int) -> str:
+def _truncate(renderer: Renderer, text: str, max_tokens: int) -> str:
     ids = renderer.encode(text)
     if len(ids) <= max_tokens:
         return text
     return str(renderer.tokenizer.decode(ids[: max(1, max_tokens)])).rstrip() + TRUNCATION_MARK.rstrip()
 
 
-def _fit(renderer: ChatRenderer, text: str, max_tokens: int) -> str:
+def _fit(renderer: Renderer, text: str, max_tokens: int) -> str:
     """Keep the head and the tail of ``text`` within ``max_tokens`` (names often sit at either end)."""
     ids = renderer.encode(text)
     if len(ids) <= max_tokens:

@@ -24,7 +24,7 @@ from runtime.backend import Backend, ChatPrompt
 from runtime.metrics import RequestMetrics
 
 from .budget import Budget, BudgetSpec
-from .chat_render import ChatRenderer
+from .chat_render import renderer_for
 from .compaction import CompactionEvent, Summarizer, elapsed_ms
 from .errors import BudgetError, StoreError
 from .recall import Recall, recall_for
@@ -84,12 +84,10 @@ class ContextManager:
         on_event: EventObserver | None = None,
         on_request: RequestObserver | None = None,
     ) -> None:
-        if backend.tokenizer is None:
-            raise BudgetError("the context manager needs the model's tokenizer to count tokens")
         self.store = store
         self.backend = backend
         self.session = session
-        self.renderer = ChatRenderer(backend.tokenizer)
+        self.renderer = renderer_for(backend.tokenizer, backend.model_name)
         self.recall_enabled = recall
         self.on_event = on_event
         self.on_request = on_request
@@ -125,7 +123,7 @@ class ContextManager:
             low_watermark=low_watermark,
             reserve_tokens=reserve_tokens,
         )
-        renderer = ChatRenderer(backend.tokenizer)
+        renderer = renderer_for(backend.tokenizer, backend.model_name)
         _check_fits(
             parsed, renderer.count("system", system, first=True) + len(renderer.generation_prompt_ids)
         )
@@ -142,6 +140,7 @@ class ContextManager:
             high_watermark=parsed.high_watermark,
             low_watermark=parsed.low_watermark,
             reserve_tokens=parsed.reserve_tokens,
+            token_source=renderer.source,
         )
         return cls(store, backend, session, parsed, **options)
 

@@ -127,3 +127,10 @@ def m001_initial(db: sqlite_utils.Database) -> None:
         foreign_keys=[("session_id", "sessions", "id")],
     )
     db["requests"].create_index(["session_id"])  # type: ignore[union-attr]
+
+
+@migration
+def m002_session_token_source(db: sqlite_utils.Database) -> None:
+    """How the session's token counts were made: tokenizer, tiktoken or estimate (remote models)."""
+    db["sessions"].add_column("token_source", str)  # type: ignore[union-attr]
+    db.execute("update sessions set token_source = 'tokenizer'")

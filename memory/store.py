@@ -58,6 +58,7 @@ class SessionRecord:
     summary_id: int | None
     window_start: int
     title: str | None
+    token_source: str | None = None  # tokenizer / tiktoken / estimate
 
 
 @dataclass(slots=True)
@@ -242,6 +243,7 @@ class Store:
         low_watermark: float,
         reserve_tokens: int,
         session_id: str | None = None,
+        token_source: str = "tokenizer",
     ) -> SessionRecord:
         stamp = now_iso()
         row = {
@@ -262,6 +264,7 @@ class Store:
             "summary_id": None,
             "window_start": 0,
             "title": None,
+            "token_source": token_source,
         }
         with self._writing("write"):
             self._table("sessions").insert(row)

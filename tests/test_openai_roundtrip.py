@@ -73,3 +73,21 @@ def test_same_answers_through_both_backends(
     assert remote["kv"]["budget_tokens"] == 4096
     assert remote["kv"]["bytes"] is None and remote["kv"]["budget_bytes"] is None
     assert remote["kv"]["k_dtype"] is None
+
+
+def test_remote_model_without_a_local_tokenizer_is_counted_and_labelled(
+    engine: Engine, server: OpenAIServer, tmp_path: Path
+) -> None:
+    """An OpenAI-family name and no tokenizer: tiktoken counts (or an estimate, if its files are
+    absent), the session records which, and the answers still equal the local engine's."""
+    from memory.store import Store
+
+    with OpenAIServer(engine, "gpt-4o-mini", port=0) as renamed:
+        remote = run_script(OpenAIBackend(renamed.url, "gpt-4o-mini"), tmp_path, "tiktoken")
+    local = run_script(LocalBackend(engine, model_name=MODEL), tmp_path, "local")
+
+    assert [t["answer"] for t in remote["turns"]] == [t["answer"] for t in local["turns"]]
+    store = Store(tmp_path / "tiktoken.db")
+    session = store.get_session(remote["session_id"])
+    assert session.token_source in ("tiktoken", "estimate") and session.budget_tokens == 4096
+    assert {r["token_source"] for r in store.requests(session.id)} == {"server"}

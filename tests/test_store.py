@@ -16,7 +16,7 @@ SCHEMA = {
     "sessions": [
         "id", "created", "updated", "model", "backend", "system", "budget_spec", "budget_tokens",
         "bytes_per_token", "k_dtype", "v_dtype", "high_watermark", "low_watermark", "reserve_tokens",
-        "summary_id", "window_start", "title",
+        "summary_id", "window_start", "title", "token_source",
     ],
     "messages": [
         "id", "session_id", "seq", "turn", "role", "kind", "content", "token_count", "state", "pinned",
