@@ -146,7 +146,7 @@ def test_context_defaults_to_the_models_own() -> None:
 
 
 def test_block_size_matches_the_engine() -> None:
-    from agent.oneshot import KV_DTYPES as CLI_KV_DTYPES
+    from agent.config import KV_DTYPES as CLI_KV_DTYPES
     from runtime.engine_config import EngineConfig
     from runtime.kv_quant import KV_DTYPES
 
