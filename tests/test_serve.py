@@ -54,7 +54,7 @@ def client(server: OpenAIServer) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def chat_reference(engine: Engine) -> Completion:
-    """What the engine itself answers to MESSAGES, rendered as agent/oneshot.py renders a chat."""
+    """What the engine itself answers to MESSAGES, rendered with the chat template."""
     text = engine.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
     return engine.generate(ids, SamplingParams(max_tokens=16))[0]

@@ -194,11 +194,16 @@ def test_local_tokenizer_wins_over_tiktoken(smollm2_tokenizer: Any) -> None:
 
 def test_local_tokenizer_counts_the_chat_template(smollm2_tokenizer: Any) -> None:
     """The count equals the ids the local engine would be given for the same prompt."""
-    from agent.oneshot import build_prompt_ids
+    from memory.chat_render import ChatRenderer
 
     counter = TokenCounter.for_model("smollm2", smollm2_tokenizer)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    expected = len(build_prompt_ids(smollm2_tokenizer, "Hi there", system="Be brief."))
+    renderer = ChatRenderer(smollm2_tokenizer)
+    expected = (
+        renderer.count("system", "Be brief.", first=True)
+        + renderer.count("user", "Hi there")
+        + len(renderer.generation_prompt_ids)
+    )
     assert counter.count_messages(messages) == TokenCount(expected, "tokenizer")
     assert expected > len(smollm2_tokenizer.encode("Be brief. Hi there", add_special_tokens=False))
     text = "hello world"
