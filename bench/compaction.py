@@ -70,16 +70,20 @@ FACT_TURNS = (2, 4, 6, 8, 10)
 
 def parse_args() -> argparse.Namespace:
     parser = common.base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--turns", type=int, default=60)
+    parser.add_argument("--turns", type=int, default=80)
     parser.add_argument(
         "--budget-bytes",
         type=int,
         default=2000 * FP32_BYTES_PER_TOKEN,
         help="the KV budget of every run (default: 2,000 fp32 tokens; int8 must stay under the model's 8k)",
     )
-    parser.add_argument("--user-words", type=int, default=180, help="words per scripted user message")
+    # Short turns and a small summary keep what every request carries besides the history (system
+    # prompt, summary, new message, reserve) small against both budgets, so the live history (and
+    # with it the live turns) scales with the tokens each dtype's bytes buy.
+    parser.add_argument("--user-words", type=int, default=50, help="words per scripted user message")
     parser.add_argument("--reply-tokens", type=int, default=32)
-    parser.add_argument("--reserve-tokens", type=int, default=64, help="the budget's reply reserve")
+    parser.add_argument("--reserve-tokens", type=int, default=32, help="the budget's reply reserve")
+    parser.add_argument("--summary-tokens", type=int, default=64, help="most tokens a summary may take")
     parser.add_argument("--kv-dtypes", default="auto,int8")
     args = common.parse(parser)
     if args.quick:
@@ -145,6 +149,7 @@ def converse(
         budget=f"{args.budget_bytes}B",
         reserve_tokens=args.reserve_tokens,
         recall=recall,
+        max_summary_tokens=args.summary_tokens,
         on_event=on_event,
         on_request=on_request,
     )
