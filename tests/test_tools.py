@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
-from agent import tools as tools_module
+from agent import process_io
+from agent.process_io import write_atomically
 from agent.tool_calls import ToolCall
-from agent.tools import ToolPermissions, ToolRegistry, ToolResult, write_atomically
+from agent.tools import ToolPermissions, ToolRegistry, ToolResult
 
 
 def call(name: str, **arguments: Any) -> ToolCall:
@@ -321,7 +322,7 @@ def test_write_is_atomic_when_the_write_fails(root: Path, monkeypatch: pytest.Mo
     def broken_fsync(fd: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tools_module.os, "fsync", broken_fsync)
+    monkeypatch.setattr(process_io.os, "fsync", broken_fsync)
     result = registry(root, "write").run(call("write_file", path="notes.txt", content="half"))
     assert (
         not result.ok and result.content == "error: write_file failed: No space left on device ('notes.txt')"
