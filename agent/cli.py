@@ -331,7 +331,7 @@ def _fail(exc: Exception, code: int, args: argparse.Namespace | None) -> int:
         raise exc
     message = " ".join(str(exc).split()) or type(exc).__name__  # exactly one line
     if args is not None and (getattr(args, "json", False) or getattr(args, "jsonl", False)):
-        print(json.dumps({"is_error": True, "error": message, "exit_code": code}))
+        print(json.dumps({"type": "result", "is_error": True, "error": message, "exit_code": code}))
     print(f"liubai: error: {message}", file=sys.stderr)
     return code
 

@@ -84,6 +84,7 @@ class SessionOutcome:
         from .session import _sum_costs
 
         return {
+            "type": "result",  # as the last line of --jsonl, too: the same object both ways
             "answer": self.turns[-1].answer if self.turns else "",
             "session_id": self.session_id,
             "is_error": self.is_error,
@@ -171,8 +172,6 @@ class _Writer:
         with self.lock:
             if self.output in ("json", "jsonl"):
                 record = outcome.to_dict()
-                if self.output == "jsonl":
-                    record = {"type": "result", **record}
                 self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
             elif multi or not self.streaming_text:
                 self.out.write(f"== {outcome.label} (session {outcome.session_id}) ==\n")

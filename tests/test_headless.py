@@ -144,6 +144,8 @@ def test_jsonl_streams_events_then_the_result(backend: LocalBackend, tmp_path: P
     assert types[0] == "turn_start" and "token" in types and types[-2:] == ["turn_end", "result"]
     answer = "".join(r["text"] for r in records if r["type"] == "token")
     assert answer.strip() == records[-1]["answer"].strip()
+    # The last line is the object --json prints.
+    assert set(records[-1]) >= {"answer", "session_id", "is_error", "usage", "timings", "kv", "cost"}
 
 
 @pytest.mark.parametrize(
