@@ -150,10 +150,11 @@ async def send(pilot: Pilot[None], text: str) -> None:
     assert isinstance(app, LiubaiApp)
     app.chat.query_one("#prompt", Input).value = text
     await pilot.press("enter")
-    for _ in range(500):
+    for _ in range(6000):  # generous: a loaded CI machine must not snapshot a turn half done
         if app.chat.busy is None:
             break
         await pilot.pause(0.01)
+    assert app.chat.busy is None, "the turn did not finish"
     await pilot.pause()
 
 
