@@ -1,10 +1,15 @@
 """Opening the backend an ``AgentConfig`` names: the local engine, or an OpenAI-compatible server."""
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from runtime.backend import Backend
+from runtime.model_registry import lookup
 
 from .config import AgentConfig
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine
 
 
 def open_backend(config: AgentConfig) -> Backend:
@@ -22,24 +27,38 @@ def open_backend(config: AgentConfig) -> Backend:
             tokenizer_path=config.model if local_dir else None,
         )
 
-    from runtime.model_loader import resolve_model
-
-    # Resolve first: a bad --model fails before the engine allocates anything, and a missing
-    # registry model is pulled with its own progress display.
-    path = resolve_model(config.model)
-
-    from runtime import Engine
     from runtime.backend import LocalBackend
 
-    engine = Engine(
-        model=str(path),
+    engine, name = open_engine(
+        config.model,
         kv_pool=config.kv_pool,
         dtype=config.dtype,
-        device="auto",
         kv_dtype=config.kv_dtype,
         k_dtype=config.k_dtype,
         v_dtype=config.v_dtype,
         max_num_seqs=config.max_num_seqs,
     )
-    name = path.name if Path(config.model).exists() else config.model
     return LocalBackend(engine, model_name=name)
+
+
+def open_engine(model: str, **options: Any) -> "tuple[Engine, str]":
+    """The local engine for ``model`` (a short name, directory or .gguf) and the name it goes by."""
+    from runtime.model_loader import resolve_model
+
+    # Resolve first: a bad --model fails before the engine allocates anything, and a missing
+    # registry model is pulled with its own progress display.
+    path = resolve_model(model)
+
+    from runtime import Engine
+
+    return Engine(model=str(path), device="auto", **options), model_name_for(model, path)
+
+
+def model_name_for(spec: str, path: Path) -> str:
+    """What the model is called (in logs, and by ``liubai serve``'s clients): the registry's short
+    name, a .gguf file's stem, or the directory's name."""
+    entry = lookup(spec)
+    if entry is not None:
+        return entry.name
+    given = Path(spec).expanduser()
+    return given.stem if given.suffix.lower() == ".gguf" else path.name

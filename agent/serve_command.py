@@ -11,10 +11,9 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from agent.config import KV_DTYPES
-from runtime.model_registry import DEFAULT_MODEL, lookup
+from runtime.model_registry import DEFAULT_MODEL
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -91,15 +90,12 @@ def run(args: argparse.Namespace) -> int:
     api_key = read_api_key(args.api_key_env)
     check_bind(args.host, api_key)
 
-    from runtime import Engine
-    from runtime.model_loader import resolve_model
+    from agent.backends import open_engine
 
-    path = resolve_model(args.model)
-    engine = Engine(
-        model=str(path),
+    engine, model_name = open_engine(
+        args.model,
         kv_pool=args.kv_pool,
         dtype=args.dtype,
-        device="auto",
         kv_dtype=args.kv_dtype,
         k_dtype=args.k_dtype,
         v_dtype=args.v_dtype,
@@ -108,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = OpenAIServer(
             engine,
-            served_model_name(args.model, path),
+            model_name,
             host=args.host,
             port=args.port,
             api_key=api_key,
@@ -133,16 +129,6 @@ def read_api_key(var: str | None) -> str | None:
     if not key:
         raise ValueError(f"--api-key-env {var}: the environment variable {var} is not set or empty")
     return key
-
-
-def served_model_name(spec: str, path: Path) -> str:
-    """What clients call the model: the registry's short name, a .gguf file's stem, or the
-    directory's name."""
-    entry = lookup(spec)
-    if entry is not None:
-        return entry.name
-    given = Path(spec).expanduser()
-    return given.stem if given.suffix.lower() == ".gguf" else path.name
 
 
 def _port(text: str) -> int:
