@@ -28,7 +28,7 @@ from runtime.errors import EngineError
 from .config import AgentConfig
 from .events import Compacted, ErrorOccurred, Event, TokenDelta, ToolCalled, ToolFinished, TurnFinished
 from .script import Script, ScriptStep, load_script
-from .session import AgentSession, TurnInterrupted, TurnResult
+from .session import AgentSession, TurnInterrupted, TurnResult, cost_of, timings_of, usage_of
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 OUTPUTS = ("text", "json", "jsonl")
@@ -78,11 +78,6 @@ class SessionOutcome:
     def to_dict(self) -> dict[str, Any]:
         requests = [m for t in self.turns for m in t.requests]
         ttfts = [t.requests[0].ttft_ms for t in self.turns if t.requests]
-        decode_ms = sum(m.decode_ms for m in requests)
-        decoded = sum(max(0, m.num_generated_tokens - 1) for m in requests)
-        costs = [c for t in self.turns for c in t.costs]
-        from .session import _sum_costs
-
         return {
             "type": "result",  # as the last line of --jsonl, too: the same object both ways
             "answer": self.turns[-1].answer if self.turns else "",
@@ -90,21 +85,11 @@ class SessionOutcome:
             "is_error": self.is_error,
             "error": self.error if self.error else ("interrupted" if self.interrupted else None),
             "model": self.model,
-            "usage": {
-                "prompt_tokens": sum(m.num_prompt_tokens for m in requests),
-                "cached_tokens": sum(m.num_cached_tokens for m in requests),
-                "prefilled_tokens": sum(m.num_prefilled_tokens for m in requests),
-                "generated_tokens": sum(m.num_generated_tokens for m in requests),
-            },
-            "timings": {
-                "ttft_ms": round(statistics.median(ttfts), 3) if ttfts else 0.0,
-                "prefill_ms": round(sum(m.prefill_ms for m in requests), 3),
-                "decode_ms": round(decode_ms, 3),
-                "decode_tok_s": round(decoded / (decode_ms / 1000), 3) if decode_ms > 0 else 0.0,
-            },
+            "usage": usage_of(requests),
+            "timings": timings_of(requests, statistics.median(ttfts) if ttfts else 0.0),
             "kv": self.kv,
             "compactions": self.compactions,
-            "cost": _sum_costs(costs),
+            "cost": cost_of([c for t in self.turns for c in t.costs]),
             "turns": [
                 {
                     "turn": t.turn,

@@ -10,11 +10,9 @@ Interrupting a turn (Ctrl-C in a headless run, the cancel key in the TUI) stops 
 the partial reply marked ``interrupted``, and leaves everything stored before it untouched.
 """
 
-import statistics
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from memory.compaction import CompactionEvent
@@ -28,7 +26,6 @@ from .config import AgentConfig
 from .cost import Cost, PriceTable, load_price_table, request_cost
 from .events import (
     Compacted,
-    ErrorOccurred,
     Event,
     RequestFinished,
     TokenDelta,
@@ -67,28 +64,38 @@ class TurnResult:
     num_tool_rounds: int = 0
 
     def usage(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": sum(m.num_prompt_tokens for m in self.requests),
-            "cached_tokens": sum(m.num_cached_tokens for m in self.requests),
-            "prefilled_tokens": sum(m.num_prefilled_tokens for m in self.requests),
-            "generated_tokens": sum(m.num_generated_tokens for m in self.requests),
-        }
+        return usage_of(self.requests)
 
     def timings(self) -> dict[str, float]:
-        decode_ms = sum(m.decode_ms for m in self.requests)
-        decoded = sum(max(0, m.num_generated_tokens - 1) for m in self.requests)
-        return {
-            "ttft_ms": round(self.requests[0].ttft_ms, 3) if self.requests else 0.0,
-            "prefill_ms": round(sum(m.prefill_ms for m in self.requests), 3),
-            "decode_ms": round(decode_ms, 3),
-            "decode_tok_s": round(decoded / (decode_ms / 1000), 3) if decode_ms > 0 else 0.0,
-        }
+        return timings_of(self.requests, self.requests[0].ttft_ms if self.requests else 0.0)
 
     def cost(self) -> dict[str, Any]:
-        return _sum_costs(self.costs)
+        return cost_of(self.costs)
 
 
-def _sum_costs(costs: list[Cost]) -> dict[str, Any]:
+def usage_of(requests: list[RequestMetrics]) -> dict[str, int]:
+    """Token counts summed over requests: what ``--json``'s ``usage`` reports."""
+    return {
+        "prompt_tokens": sum(m.num_prompt_tokens for m in requests),
+        "cached_tokens": sum(m.num_cached_tokens for m in requests),
+        "prefilled_tokens": sum(m.num_prefilled_tokens for m in requests),
+        "generated_tokens": sum(m.num_generated_tokens for m in requests),
+    }
+
+
+def timings_of(requests: list[RequestMetrics], ttft_ms: float) -> dict[str, float]:
+    """Prefill and decode time summed over requests, and the decode rate they give together."""
+    decode_ms = sum(m.decode_ms for m in requests)
+    decoded = sum(max(0, m.num_generated_tokens - 1) for m in requests)
+    return {
+        "ttft_ms": round(ttft_ms, 3),
+        "prefill_ms": round(sum(m.prefill_ms for m in requests), 3),
+        "decode_ms": round(decode_ms, 3),
+        "decode_tok_s": round(decoded / (decode_ms / 1000), 3) if decode_ms > 0 else 0.0,
+    }
+
+
+def cost_of(costs: list[Cost]) -> dict[str, Any]:
     def total(name: str) -> float | None:
         values = [getattr(c, name) for c in costs if getattr(c, name) is not None]
         return round(sum(values), 9) if values else None
@@ -118,7 +125,7 @@ class AgentSession:
             )
             self.tools = ToolRegistry(permissions, recall=self._recall_tool)
         self._sink: EventSink | None = None
-        self._turn_requests: list[tuple[RequestMetrics, Cost]] = []
+        self._turn: TurnResult | None = None  # the turn whose requests are being recorded
         self.context.on_event = self._on_compaction
         self.context.on_request = self._on_summary_request
         self._current_turn = 0
@@ -171,16 +178,13 @@ class AgentSession:
     ) -> TurnResult:
         """Answer one user message; raises ``TurnInterrupted`` (after storing) when cancelled."""
         self._sink = on_event
-        self._turn_requests = []
         message = self.context.add_user(text)
         self._current_turn = message.turn
-        result = TurnResult(self.session_id, message.turn, "", None, False)
+        result = self._turn = TurnResult(self.session_id, message.turn, "", None, False)
         try:
             self._run_rounds(result, cancel)
         finally:
-            result.requests = [m for m, _ in self._turn_requests]
-            result.costs = [c for _, c in self._turn_requests]
-            self._sink = None
+            self._sink = self._turn = None
         return result
 
     def _run_rounds(self, result: TurnResult, cancel: threading.Event | None) -> None:
@@ -292,8 +296,6 @@ class AgentSession:
         result.answer = answer
         result.finish_reason = finish_reason
         result.interrupted = interrupted
-        result.requests = [m for m, _ in self._turn_requests]
-        result.costs = [c for _, c in self._turn_requests]
         if not result.kv:
             result.kv = self._kv(0)
         self._emit(
@@ -388,8 +390,9 @@ class AgentSession:
                 else getattr(self.backend, "last_usage_source", "server"),
             },
         )
-        if kind != "summary":
-            self._turn_requests.append((metrics, cost))
+        if kind != "summary" and self._turn is not None:
+            self._turn.requests.append(metrics)
+            self._turn.costs.append(cost)
         self._emit(
             RequestFinished(self._current_turn, kind, metrics.to_dict(), self._kv(kv_tokens), cost.to_dict())
         )
@@ -417,10 +420,6 @@ class AgentSession:
         if self._sink is not None:
             self._sink(event)
 
-    def emit_error(self, message: str, on_event: EventSink | None) -> None:
-        if on_event is not None:
-            on_event(ErrorOccurred(message, self._current_turn or None))
-
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 
@@ -440,8 +439,12 @@ def build_prices(config: AgentConfig, model_name: str) -> PriceTable:
     return PriceTable.from_args(config.price_per_hour, config.prices, model=model, table=table)
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else 0.0
-
-
-__all__ = ["AgentSession", "TurnInterrupted", "TurnResult", "default_budget", "Path"]
+__all__ = [
+    "AgentSession",
+    "TurnInterrupted",
+    "TurnResult",
+    "cost_of",
+    "default_budget",
+    "timings_of",
+    "usage_of",
+]
