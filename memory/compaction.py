@@ -155,10 +155,6 @@ class Summarizer:
             {"role": "user", "content": "\n\n".join(parts)},
         ]
 
-    def _prompt_tokens(self, messages: list[dict[str, str]]) -> int:
-        ids = self._ids(messages)
-        return len(ids)
-
     def _ids(self, messages: list[dict[str, str]]) -> list[int]:
         ids: list[int] = []
         for i, m in enumerate(messages):
@@ -174,7 +170,7 @@ class Summarizer:
         that bound rather than against the summary of the previous pass.
         """
         placeholder = "x " * max(reply_tokens, self.renderer.count("user", summary))
-        base = self._prompt_tokens(self._fold_prompt(placeholder, [], focus, reply_tokens))
+        base = len(self._ids(self._fold_prompt(placeholder, [], focus, reply_tokens)))
         chunk: list[str] = []
         used = base
         for message in messages:

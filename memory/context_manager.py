@@ -216,9 +216,7 @@ class ContextManager:
     def _add(
         self, role: str, content: str, turn: int, kind: str = "chat", interrupted: bool = False
     ) -> MessageRecord:
-        tokens = (
-            self.renderer.count(role, content) if role != "assistant" else self._assistant_tokens(content)
-        )
+        tokens = self.renderer.count(role, content)
         message = self.store.add_message(
             self.session.id,
             role=role,
@@ -230,9 +228,6 @@ class ContextManager:
         )
         self._messages.append(message)
         return message
-
-    def _assistant_tokens(self, content: str) -> int:
-        return self.renderer.count("assistant", content)
 
     # -- commands -----------------------------------------------------------------------------
 
@@ -311,7 +306,7 @@ class ContextManager:
             trigger="clear",
             focus=None,
             tokens_before=before,
-            tokens_after=self._tokens_without(set(ids), None, next_seq),
+            tokens_after=self._tokens_without(set(ids), None),
             summarized_ids=[],
             evicted_ids=ids,
             summary_text=None,
@@ -456,7 +451,7 @@ class ContextManager:
         )
         summarized_ids = {m.id for m in to_summarize}
         evicted_ids = {m.id for m in evicted}
-        after = self._tokens_without(summarized_ids | evicted_ids, result.text, window_start)
+        after = self._tokens_without(summarized_ids | evicted_ids, result.text)
         summary_tokens = self.renderer.count("system", SUMMARY_HEADER + result.text)
         duration = elapsed_ms(start)
         summary_id, compaction_id = self.store.record_compaction(
@@ -501,19 +496,11 @@ class ContextManager:
         self.session.summary_id = summary_id
         self.session.window_start = window_start
 
-    def _tokens_without(self, leaving: set[int], summary: str | None, window_start: int) -> int:
-        saved = (self._summary_text, self.session.window_start, [m.state for m in self._messages])
-        try:
-            self._summary_text = summary
-            self.session.window_start = window_start
-            for m in self._messages:
-                if m.id in leaving:
-                    m.state = "gone"
-            return self.context_tokens()
-        finally:
-            self._summary_text, self.session.window_start = saved[0], saved[1]
-            for m, state in zip(self._messages, saved[2], strict=True):
-                m.state = state
+    def _tokens_without(self, leaving: set[int], summary: str | None) -> int:
+        """What :meth:`context_tokens` will be once ``leaving`` has left and ``summary`` is in."""
+        summary_tokens = self.renderer.count("system", SUMMARY_HEADER + summary) if summary is not None else 0
+        live = sum(m.token_count for m in self._messages if m.state == "live" and m.id not in leaving)
+        return self.renderer.count("system", self.session.system, first=True) + summary_tokens + live
 
     def _projected_tokens(self) -> int:
         """KV the next request would hold: the prompt as it stands plus the reply's reserve."""
