@@ -99,7 +99,9 @@ class Engine:
 
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
         self.model.config._attn_implementation = ATTENTION_NAME
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.forward)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, self.device, self.config.forward, self.config.gemm
+        )
 
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}

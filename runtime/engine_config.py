@@ -32,6 +32,8 @@ class EngineConfig:
     v_dtype: str | None = None
     # "auto": the lean Llama-family forward where it applies; "transformers": always the model's own.
     forward: str = "auto"
+    # "auto": each product in the form timed fastest on this CPU (gemm.py); "torch": F.linear.
+    gemm: str = "auto"
     scheduler: SchedulerConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -39,6 +41,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.forward not in ("auto", "transformers"):
             raise ValueError(f"forward must be 'auto' or 'transformers', got {self.forward!r}")
+        if self.gemm not in ("auto", "torch"):
+            raise ValueError(f"gemm must be 'auto' or 'torch', got {self.gemm!r}")
         if self.kv_pool is not None:
             self.kv_pool = parse_size(self.kv_pool)
         for option in ("kv_dtype", "k_dtype", "v_dtype"):
@@ -52,8 +56,8 @@ class EngineConfig:
         self.scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
 
     def kv_pool_bytes(self, device: torch.device) -> int:
-        if self.forward not in ("auto", "transformers"):
-            raise ValueError(f"forward must be 'auto' or 'transformers', got {self.forward!r}")
+        if self.gemm not in ("auto", "torch"):
+            raise ValueError(f"gemm must be 'auto' or 'torch', got {self.gemm!r}")
         if self.kv_pool is not None:
             return int(self.kv_pool)
         if device.type == "cuda":

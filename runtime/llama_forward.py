@@ -5,12 +5,14 @@ for the Llama family it runs this forward instead, because on a CPU a 135M-param
 decode step is dominated by per-operation overhead, not arithmetic: transformers' module tree
 spends roughly a third of each step in Python dispatch, decorators and keyword plumbing.
 
-This forward calls the *same* torch operations in the same order on the same weights, so its
-outputs are bit-identical to transformers' (asserted by the tests against ``generate()``),
-with two structural changes that cut calls: the q/k/v projections run as one matmul and the
-gate/up projections as another. The fused weights are built once and the model's own
-``nn.Linear`` modules are rebound to views of them, so memory is not duplicated and the
-transformers path keeps working on the same storage.
+This forward calls the same torch operations in the same order on the same weights, with two
+structural changes that cut calls: the q/k/v projections run as one matmul and the gate/up
+projections as another. The fused weights are built once and the model's own ``nn.Linear``
+modules are rebound to views of them, so memory is not duplicated and the transformers path
+keeps working on the same storage. With ``F.linear`` its outputs are bit-identical to
+transformers'. Each product is asked of BLAS in the form a :class:`GemmPlan` timed fastest on
+this machine (``gemm.py``), which changes only rounding; the tests assert tokens against
+``generate()`` either way.
 """
 
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import METADATA_KWARG, AttentionMetadata, paged_attention_forward
+from .gemm import LINEAR, GemmPlan, matmul
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 
@@ -78,8 +81,9 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
 
 
 class LlamaFamilyForward:
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, gemm: GemmPlan | None = None) -> None:
         config = model.config
+        self.gemm = gemm or GemmPlan()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -87,7 +91,8 @@ class LlamaFamilyForward:
         self.rotary = model.model.rotary_emb
         self.final_norm_weight = model.model.norm.weight
         self.final_norm_eps = model.model.norm.variance_epsilon
-        self.lm_head = model.lm_head
+        self.lm_head_weight = model.lm_head.weight
+        self.lm_head_bias = model.lm_head.bias
         self.layers: list[_Layer] = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -111,6 +116,11 @@ class LlamaFamilyForward:
                 )
             )
         self.scaling = model.model.layers[0].self_attn.scaling
+
+    def matrices(self) -> list[torch.Tensor]:
+        """Every weight this forward multiplies by, for the GEMM plan to time."""
+        per_layer = [(la.qkv_weight, la.o_weight, la.gate_up_weight, la.down_weight) for la in self.layers]
+        return [w for ws in per_layer for w in ws] + [self.lm_head_weight]
 
     @staticmethod
     def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -138,9 +148,14 @@ class LlamaFamilyForward:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         kwargs: dict[str, Any] = {METADATA_KWARG: meta}
+        forms = self.gemm.forms_for(num_tokens)  # shape -> weight-major chunk; absent: F.linear
+
+        def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return matmul(x, weight, bias, forms.get((weight.shape[0], weight.shape[1]), LINEAR))
+
         for layer in self.layers:
             x = self._rms_norm(h, layer.input_norm_weight, layer.input_norm_eps)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)  # (T, (H + 2*KVH) * D)
+            qkv = linear(x, layer.qkv_weight, layer.qkv_bias)  # (T, (H + 2*KVH) * D)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(num_tokens, self.num_heads, self.head_dim).transpose(0, 1)  # (H, T, D)
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim).transpose(0, 1)  # (KVH, T, D)
@@ -150,9 +165,10 @@ class LlamaFamilyForward:
             attn, _ = paged_attention_forward(
                 layer.attention, q[None], k[None], v[None], None, scaling=self.scaling, **kwargs
             )  # (1, T, H, D)
-            h = h + F.linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+            h = h + linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
             x = self._rms_norm(h, layer.post_norm_weight, layer.post_norm_eps)
-            gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)  # (T, I) each
-            h = h + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+            gate, up = linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)  # (T, I) each
+            h = h + linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
         h = self._rms_norm(h[keep], self.final_norm_weight, self.final_norm_eps)  # (n, hidden)
-        return self.lm_head(h)  # (n, V)
+        forms = self.gemm.forms_for(h.shape[0])  # the head multiplies only the sampled rows
+        return linear(h, self.lm_head_weight, self.lm_head_bias)  # (n, V)

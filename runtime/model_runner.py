@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import METADATA_KWARG, AttentionMetadata, DecodeBatch, PrefillSpan
+from .gemm import plan_for
 from .kv_cache import KVCache
 from .llama_forward import LlamaFamilyForward, supports
 from .scheduler import ScheduledBatch
@@ -26,11 +27,18 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device, forward: str = "auto"
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        device: torch.device,
+        forward: str = "auto",
+        gemm: str = "auto",
     ) -> None:
         self.model = model
         # The lean forward where it reproduces the model exactly; transformers' own otherwise.
         self.lean_forward = LlamaFamilyForward(model) if forward == "auto" and supports(model) else None
+        if self.lean_forward is not None:
+            self.lean_forward.gemm = plan_for(self.lean_forward.matrices(), enabled=gemm == "auto")
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
