@@ -415,19 +415,32 @@ class ContextManager:
         # the allowance every time evicted a few turns too many whenever summaries came out short.
         longest = min(self.summarizer.max_summary_tokens, summary_cap) + 8
         expected_summary = min(longest, max(old_summary + 32, 64)) if old_summary else longest
+        served = sum(m.token_count for m in self._served_notes(keep_from))
         chosen: list[int] = []
         for turn in turns:
             chosen.append(turn)
-            freed = sum(m.token_count for m in candidates if m.turn in chosen)
+            freed = served + sum(m.token_count for m in candidates if m.turn in chosen and m.kind == "chat")
             if total - freed - old_summary + expected_summary <= target:
                 break
         return self._compact(chosen, "auto", None)
+
+    def _served_notes(self, keep_from: int) -> list[MessageRecord]:
+        """Recall notes of answered turns: they leave at every compaction, whichever turns go.
+
+        A note is there for the reply to its question; once that reply exists, the note is a
+        verbatim copy of stored text taking budget from live turns (a conversation that recalls
+        often would otherwise keep fewer turns live than one that does not). Dropping it at a
+        compaction costs no prefix-cache hits, since everything after the summary is re-read
+        then anyway, and the next question that needs it recalls it again.
+        """
+        return [m for m in self._evictable() if m.kind == "recall" and m.turn < keep_from]
 
     def _compact(self, turns: list[int], trigger: str, focus: str | None) -> CompactionEvent:
         start = time.perf_counter()
         before = self.context_tokens()
         turn_set = set(turns)
-        leaving = [m for m in self._evictable() if m.turn in turn_set]
+        served = {m.id for m in self._served_notes(self._pending_turn() or self.current_turn + 1)}
+        leaving = [m for m in self._evictable() if m.turn in turn_set or m.id in served]
         to_summarize = [m for m in leaving if m.kind == "chat"]
         evicted = [m for m in leaving if m.kind != "chat"]  # recall notes: copies of stored text
         cap = int(self.budget.tokens * self.budget.summary_share)

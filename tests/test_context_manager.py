@@ -311,6 +311,34 @@ def test_recall_note_sits_before_the_question_it_serves(store: Store, backend: R
     assert later.recalled == []
 
 
+def test_served_recall_note_leaves_at_the_next_compaction(store: Store, backend: RecordingBackend) -> None:
+    """The note served its reply; at the next compaction it goes even though its turn stays live."""
+    manager = make(store, backend, budget="2048tok")
+    manager.add_user("Please remember: the harbour master is called Ingeborg Vantongeren.")
+    manager.next_prompt()
+    manager.add_assistant("Noted.")
+    manager.compact()
+    chat(manager, range(2, 20))
+    manager.add_user("What is the harbour master called?")
+    assert [h.turn for h in manager.next_prompt().recalled] == [1]
+    manager.add_assistant("Ingeborg.")
+    question_turn = manager.current_turn
+    [note] = [m for m in manager.live_messages() if m.kind == "recall"]
+    events: list[CompactionEvent] = []
+    turn = question_turn
+    while not events:
+        turn += 1
+        manager.add_user(user_text(turn))
+        events = manager.next_prompt().compactions
+        manager.add_assistant(f"Reply {turn}: noted.")
+    [event] = events
+    assert question_turn not in event.turns and states(manager)[question_turn] == "live"
+    assert note.id in event.evicted_ids
+    assert [m for m in manager.live_messages() if m.kind == "recall"] == []
+    stored = {m.id: m for m in store.messages(manager.session_id)}
+    assert stored[note.id].state == "evicted" and "Ingeborg Vantongeren" in stored[note.id].content
+
+
 def test_recall_can_be_switched_off(store: Store, backend: RecordingBackend) -> None:
     manager = make(store, backend, recall=False)
     manager.add_user("Please remember: the harbour master is called Ingeborg Vantongeren.")
