@@ -15,8 +15,8 @@ the answers to the five questions, so the two runs differ only in recall.
 Per run: ``budget_tokens`` (what the byte budget holds at this dtype); ``max_kv_tokens_seen``
 (prompt + generated, the most any request held: turns and compaction's summarization requests,
 both runs); ``compactions`` and ``compaction_ms_mean`` (recall run); ``live_turns_mean`` (completed
-turns with live messages in the prompt, averaged over the requests from the first compaction on,
-when the budget, not the chat's length, decides it), with ``live_history_tokens_mean`` (their
+turns with live messages in the prompt, averaged over whole compaction cycles, from the first
+compaction to the last, when the budget, not the chat's length, decides it), with ``live_history_tokens_mean`` (their
 tokens) and ``overhead_tokens_mean`` (the rest of each request's KV: system prompt, summary,
 recall note, the new message and the reply reserve, a cost in tokens that does not shrink with
 the budget); ``messages_lost`` (messages added but not in
@@ -204,6 +204,21 @@ def ask(backend: Any, prompt: Any, args: argparse.Namespace, out: Conversation) 
     return "".join(parts)
 
 
+def steady_window(compaction_turns: list[int], num_turns: int) -> slice:
+    """The turns (0-based slice) over which live turns are averaged: whole compaction cycles.
+
+    Live turns rise from the low watermark to the high one and drop at each compaction; a mean
+    over a window that ends mid-cycle depends on where the chat happens to stop (and with a big
+    budget there are only one or two cycles to average). From the first compaction up to the
+    last one covers whole cycles; with fewer than two compactions, from the first to the end.
+    """
+    if not compaction_turns:
+        return slice(0, num_turns)
+    if len(compaction_turns) == 1:
+        return slice(compaction_turns[0] - 1, num_turns)
+    return slice(compaction_turns[0] - 1, compaction_turns[-1] - 1)
+
+
 def run_dtype(model_dir: str, kv_dtype: str, messages: list[str], args: argparse.Namespace) -> dict[str, Any]:
     from memory import Store
     from runtime.backend import LocalBackend
@@ -220,16 +235,16 @@ def run_dtype(model_dir: str, kv_dtype: str, messages: list[str], args: argparse
         common.log(f"{kv_dtype}: recall off (replaying the replies)")
         off = converse(backend, store, messages, args, recall=False, replay=on.replies)
         store.close()
-    steady_from = on.compaction_turns[0] if on.compaction_turns else 1
+    window = steady_window(on.compaction_turns, len(messages))
     return {
         "kv_dtype": kv_dtype,
         "bytes_per_token": backend.bytes_per_token,
         "budget_bytes": args.budget_bytes,
         "budget_tokens": budget_tokens,
-        "live_turns_mean": round(mean(on.live_turns[steady_from - 1 :]), 2),
-        "live_turns_from_turn": steady_from,
-        "live_history_tokens_mean": round(mean(on.history_tokens[steady_from - 1 :])),
-        "overhead_tokens_mean": round(mean(on.overhead_tokens[steady_from - 1 :])),
+        "live_turns_mean": round(mean(on.live_turns[window]), 2),
+        "live_turns_window": [window.start + 1, window.stop],
+        "live_history_tokens_mean": round(mean(on.history_tokens[window])),
+        "overhead_tokens_mean": round(mean(on.overhead_tokens[window])),
         "summary_tokens_mean": round(mean(on.summary_tokens)) if on.summary_tokens else None,
         "max_kv_tokens_seen": max(on.kv_tokens + off.kv_tokens),
         "compactions": len(on.compaction_ms),
