@@ -16,10 +16,10 @@ Per run: ``budget_tokens`` (what the byte budget holds at this dtype); ``max_kv_
 (prompt + generated, the most any request held: turns and compaction's summarization requests,
 both runs); ``compactions`` and ``compaction_ms_mean`` (recall run); ``live_turns_mean`` (completed
 turns with live messages in the prompt, averaged over whole compaction cycles, from the first
-compaction to the last, when the budget, not the chat's length, decides it), with ``live_history_tokens_mean`` (their
-tokens) and ``overhead_tokens_mean`` (the rest of each request's KV: system prompt, summary,
-recall note, the new message and the reply reserve, a cost in tokens that does not shrink with
-the budget); ``messages_lost`` (messages added but not in
+compaction to the last, when the budget, not the chat's length, decides it), with
+``live_history_tokens_mean`` (their tokens) and ``overhead_tokens_mean`` (the rest of each
+request's KV: system prompt, summary, recall note, the new message and the reply reserve, a
+cost in tokens that does not shrink with the budget); ``messages_lost`` (messages added but not in
 the database byte for byte, both runs); ``facts_in_prompt`` (questions whose prompt held the
 fact's original text); ``facts_answered_recall_on`` / ``_off`` (replies containing the fact's key);
 ``prefill_tokens_saved`` (sum of the engine's ``num_cached_tokens`` over the recall run's requests).
