@@ -56,8 +56,6 @@ class EngineConfig:
         self.scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
 
     def kv_pool_bytes(self, device: torch.device) -> int:
-        if self.gemm not in ("auto", "torch"):
-            raise ValueError(f"gemm must be 'auto' or 'torch', got {self.gemm!r}")
         if self.kv_pool is not None:
             return int(self.kv_pool)
         if device.type == "cuda":

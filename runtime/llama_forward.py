@@ -170,5 +170,6 @@ class LlamaFamilyForward:
             gate, up = linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)  # (T, I) each
             h = h + linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
         h = self._rms_norm(h[keep], self.final_norm_weight, self.final_norm_eps)  # (n, hidden)
-        forms = self.gemm.forms_for(h.shape[0])  # the head multiplies only the sampled rows
-        return linear(h, self.lm_head_weight, self.lm_head_bias)  # (n, V)
+        head = self.lm_head_weight  # multiplies only the sampled rows: its own row count
+        head_form = self.gemm.forms_for(h.shape[0]).get((head.shape[0], head.shape[1]), LINEAR)
+        return matmul(h, head, self.lm_head_bias, head_form)  # (n, V)
