@@ -1,6 +1,6 @@
 """Compaction under a KV byte budget: the same long chat with a bf16/fp32 cache and with int8.
 
-A scripted chat of ``--turns`` turns (default 60) runs through liubai's memory layer under one
+A scripted chat of ``--turns`` turns (default 100) runs through liubai's memory layer under one
 KV budget in bytes, once per KV dtype. Its user messages are made-up archive notes of about
 ``--user-words`` words, built offline from a seed; five early turns plant distinctive facts (a
 locker code, a name, a password, a date, a codename) and the last five ask about them, long
@@ -15,8 +15,8 @@ the answers to the five questions, so the two runs differ only in recall.
 Per run: ``budget_tokens`` (what the byte budget holds at this dtype); ``max_kv_tokens_seen``
 (prompt + generated, the most any request held: turns and compaction's summarization requests,
 both runs); ``compactions`` and ``compaction_ms_mean`` (recall run); ``live_turns_mean`` (completed
-turns with live messages in the prompt, averaged over whole compaction cycles, from the first
-compaction to the last, when the budget, not the chat's length, decides it), with
+turns with live messages in the prompt, averaged over whole compaction cycles before the five
+questions, when the budget, not the chat's length, decides it), with
 ``live_history_tokens_mean`` (their tokens) and ``overhead_tokens_mean`` (the rest of each
 request's KV: system prompt, summary, recall note, the new message and the reply reserve, a
 cost in tokens that does not shrink with the budget); ``messages_lost`` (messages added but not in
@@ -70,7 +70,7 @@ FACT_TURNS = (2, 4, 6, 8, 10)
 
 def parse_args() -> argparse.Namespace:
     parser = common.base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--turns", type=int, default=80)
+    parser.add_argument("--turns", type=int, default=100)
     parser.add_argument(
         "--budget-bytes",
         type=int,
@@ -204,19 +204,20 @@ def ask(backend: Any, prompt: Any, args: argparse.Namespace, out: Conversation) 
     return "".join(parts)
 
 
-def steady_window(compaction_turns: list[int], num_turns: int) -> slice:
+def steady_window(compaction_turns: list[int], first_question: int) -> slice:
     """The turns (0-based slice) over which live turns are averaged: whole compaction cycles.
 
     Live turns rise from the low watermark to the high one and drop at each compaction; a mean
-    over a window that ends mid-cycle depends on where the chat happens to stop (and with a big
-    budget there are only one or two cycles to average). From the first compaction up to the
-    last one covers whole cycles; with fewer than two compactions, from the first to the end.
+    over a window that ends mid-cycle depends on where the chat happens to stop. So the window
+    runs from the first compaction to the last one before the five questions (short turns that
+    would inflate the count), or, with fewer than two, from the first compaction to them.
     """
-    if not compaction_turns:
-        return slice(0, num_turns)
-    if len(compaction_turns) == 1:
-        return slice(compaction_turns[0] - 1, num_turns)
-    return slice(compaction_turns[0] - 1, compaction_turns[-1] - 1)
+    before = [t for t in compaction_turns if t < first_question]
+    if not before:
+        return slice(0, first_question - 1)
+    if len(before) == 1:
+        return slice(before[0] - 1, first_question - 1)
+    return slice(before[0] - 1, before[-1] - 1)
 
 
 def run_dtype(model_dir: str, kv_dtype: str, messages: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -235,7 +236,7 @@ def run_dtype(model_dir: str, kv_dtype: str, messages: list[str], args: argparse
         common.log(f"{kv_dtype}: recall off (replaying the replies)")
         off = converse(backend, store, messages, args, recall=False, replay=on.replies)
         store.close()
-    window = steady_window(on.compaction_turns, len(messages))
+    window = steady_window(on.compaction_turns, len(messages) - len(FACTS) + 1)
     return {
         "kv_dtype": kv_dtype,
         "bytes_per_token": backend.bytes_per_token,
