@@ -415,7 +415,7 @@ class ContextManager:
         # the allowance every time evicted a few turns too many whenever summaries came out short.
         longest = min(self.summarizer.max_summary_tokens, summary_cap) + 8
         expected_summary = min(longest, max(old_summary + 32, 64)) if old_summary else longest
-        served = sum(m.token_count for m in self._served_notes(keep_from))
+        served = sum(m.token_count for m in self._served_notes())
         chosen: list[int] = []
         for turn in turns:
             chosen.append(turn)
@@ -424,7 +424,7 @@ class ContextManager:
                 break
         return self._compact(chosen, "auto", None)
 
-    def _served_notes(self, keep_from: int) -> list[MessageRecord]:
+    def _served_notes(self) -> list[MessageRecord]:
         """Recall notes of answered turns: they leave at every compaction, whichever turns go.
 
         A note is there for the reply to its question; once that reply exists, the note is a
@@ -433,13 +433,14 @@ class ContextManager:
         compaction costs no prefix-cache hits, since everything after the summary is re-read
         then anyway, and the next question that needs it recalls it again.
         """
-        return [m for m in self._evictable() if m.kind == "recall" and m.turn < keep_from]
+        answering = self._pending_turn() or self.current_turn + 1
+        return [m for m in self._evictable() if m.kind == "recall" and m.turn < answering]
 
     def _compact(self, turns: list[int], trigger: str, focus: str | None) -> CompactionEvent:
         start = time.perf_counter()
         before = self.context_tokens()
         turn_set = set(turns)
-        served = {m.id for m in self._served_notes(self._pending_turn() or self.current_turn + 1)}
+        served = {m.id for m in self._served_notes()}
         leaving = [m for m in self._evictable() if m.turn in turn_set or m.id in served]
         to_summarize = [m for m in leaving if m.kind == "chat"]
         evicted = [m for m in leaving if m.kind != "chat"]  # recall notes: copies of stored text

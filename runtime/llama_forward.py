@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import METADATA_KWARG, AttentionMetadata, paged_attention_forward
-from .gemm import LINEAR, GemmPlan, matmul
+from .gemm import LINEAR, GemmPlan, Shape, matmul
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 
@@ -81,9 +81,9 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
 
 
 class LlamaFamilyForward:
-    def __init__(self, model: Any, gemm: GemmPlan | None = None) -> None:
+    def __init__(self, model: Any) -> None:
         config = model.config
-        self.gemm = gemm or GemmPlan()
+        self.gemm = GemmPlan()  # F.linear throughout until the runner times a plan for matrices()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -148,14 +148,10 @@ class LlamaFamilyForward:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         kwargs: dict[str, Any] = {METADATA_KWARG: meta}
-        forms = self.gemm.forms_for(num_tokens)  # shape -> weight-major chunk; absent: F.linear
-
-        def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            return matmul(x, weight, bias, forms.get((weight.shape[0], weight.shape[1]), LINEAR))
-
+        forms = self.gemm.forms_for(num_tokens)
         for layer in self.layers:
             x = self._rms_norm(h, layer.input_norm_weight, layer.input_norm_eps)
-            qkv = linear(x, layer.qkv_weight, layer.qkv_bias)  # (T, (H + 2*KVH) * D)
+            qkv = _linear(forms, x, layer.qkv_weight, layer.qkv_bias)  # (T, (H + 2*KVH) * D)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(num_tokens, self.num_heads, self.head_dim).transpose(0, 1)  # (H, T, D)
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim).transpose(0, 1)  # (KVH, T, D)
@@ -165,11 +161,18 @@ class LlamaFamilyForward:
             attn, _ = paged_attention_forward(
                 layer.attention, q[None], k[None], v[None], None, scaling=self.scaling, **kwargs
             )  # (1, T, H, D)
-            h = h + linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+            h = h + _linear(forms, attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
             x = self._rms_norm(h, layer.post_norm_weight, layer.post_norm_eps)
-            gate, up = linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)  # (T, I) each
-            h = h + linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+            gate_up = _linear(forms, x, layer.gate_up_weight, layer.gate_up_bias)
+            gate, up = gate_up.chunk(2, dim=-1)  # (T, I) each
+            h = h + _linear(forms, F.silu(gate) * up, layer.down_weight, layer.down_bias)
         h = self._rms_norm(h[keep], self.final_norm_weight, self.final_norm_eps)  # (n, hidden)
-        head = self.lm_head_weight  # multiplies only the sampled rows: its own row count
-        head_form = self.gemm.forms_for(h.shape[0]).get((head.shape[0], head.shape[1]), LINEAR)
-        return matmul(h, head, self.lm_head_bias, head_form)  # (n, V)
+        head_forms = self.gemm.forms_for(h.shape[0])  # the head multiplies only the sampled rows
+        return _linear(head_forms, h, self.lm_head_weight, self.lm_head_bias)  # (n, V)
+
+
+def _linear(
+    forms: dict[Shape, int], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear`` in the form the plan chose for this weight's shape (``forms_for``'s result)."""
+    return matmul(x, weight, bias, forms.get((weight.shape[0], weight.shape[1]), LINEAR))
