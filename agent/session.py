@@ -425,12 +425,9 @@ DEFAULT_SYSTEM = "You are a helpful assistant."
 
 
 def default_budget(backend: Backend) -> str:
-    """Without --kv-budget: the model's context, within the engine's pool."""
-    engine = getattr(backend, "engine", None)
-    if engine is None:
-        return "8192tok"
-    pool_tokens = engine.pool_capacity_tokens
-    return f"{min(engine.max_model_len, pool_tokens)}tok"
+    """Without --kv-budget: the model's context, within the engine's pool (8,192 tokens when the
+    backend cannot tell)."""
+    return f"{backend.max_context_tokens or 8192}tok"
 
 
 def build_prices(config: AgentConfig, model_name: str) -> PriceTable:

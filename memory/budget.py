@@ -67,6 +67,7 @@ class Budget:
     reserve_tokens: int = 256  # room kept for the reply; the reply's max_tokens is clamped to it
     recall_share: float = 0.15  # most of the budget recalled text may take in one turn
     summary_share: float = 0.15  # a summary larger than this is itself summarized again
+    requested_tokens: int | None = None  # what the spec asked for, when the context capped it
 
     def __post_init__(self) -> None:
         if self.tokens < 1:
@@ -84,10 +85,19 @@ class Budget:
 
     @classmethod
     def from_spec(
-        cls, spec: str | int | BudgetSpec, bytes_per_token: int | None, **options: float
+        cls,
+        spec: str | int | BudgetSpec,
+        bytes_per_token: int | None,
+        max_context_tokens: int | None = None,
+        **options: float,
     ) -> "Budget":
+        """The budget ``spec`` describes, capped at ``max_context_tokens``: a conversation cannot hold
+        more than the model's context (or the KV pool), whatever bytes were granted to it."""
         parsed = spec if isinstance(spec, BudgetSpec) else BudgetSpec.parse(spec)
-        return cls(parsed, parsed.to_tokens(bytes_per_token), bytes_per_token, **options)  # type: ignore[arg-type]
+        tokens = parsed.to_tokens(bytes_per_token)
+        if max_context_tokens is not None and tokens > max_context_tokens:
+            return cls(parsed, max_context_tokens, bytes_per_token, requested_tokens=tokens, **options)  # type: ignore[arg-type]
+        return cls(parsed, tokens, bytes_per_token, **options)  # type: ignore[arg-type]
 
     @property
     def high_tokens(self) -> int:
@@ -102,6 +112,9 @@ class Budget:
         return None if self.bytes_per_token is None else self.tokens * self.bytes_per_token
 
     def describe(self) -> str:
-        if self.bytes_per_token is None:
-            return f"{self.tokens:,} tokens"
-        return f"{self.tokens:,} tokens ({format_bytes(self.tokens * self.bytes_per_token)})"
+        text = f"{self.tokens:,} tokens"
+        if self.bytes_per_token is not None:
+            text += f" ({format_bytes(self.tokens * self.bytes_per_token)})"
+        if self.requested_tokens is not None:
+            text += f", the model's context; {self.spec.text} would hold {self.requested_tokens:,}"
+        return text

@@ -119,6 +119,7 @@ class ContextManager:
         parsed = Budget.from_spec(
             budget,
             backend.bytes_per_token,
+            backend.max_context_tokens,
             high_watermark=high_watermark,
             low_watermark=low_watermark,
             reserve_tokens=reserve_tokens,
@@ -153,6 +154,7 @@ class ContextManager:
         parsed = Budget.from_spec(
             budget or session.budget_spec,
             backend.bytes_per_token,
+            backend.max_context_tokens,
             high_watermark=session.high_watermark,
             low_watermark=session.low_watermark,
             reserve_tokens=session.reserve_tokens,
@@ -252,6 +254,7 @@ class ContextManager:
         budget = Budget.from_spec(
             spec,
             self.backend.bytes_per_token,
+            self.backend.max_context_tokens,
             high_watermark=self.budget.high_watermark,
             low_watermark=self.budget.low_watermark,
             reserve_tokens=self.budget.reserve_tokens,

@@ -47,6 +47,11 @@ class Backend(Protocol):
     def kv_dtypes(self) -> tuple[str | None, str | None]:
         """(K storage, V storage) names, or None where unknown."""
 
+    @property
+    def max_context_tokens(self) -> int | None:
+        """The most tokens one conversation's KV can hold (the model's context, within the KV
+        pool), or None when the backend cannot know."""
+
     def stream(
         self, prompt: ChatPrompt, params: "SamplingParams"
     ) -> Generator["CompletionDelta", None, None]:
@@ -79,6 +84,10 @@ class LocalBackend:
     @property
     def kv_dtypes(self) -> tuple[str, str]:
         return self.engine.kv_cache.k_dtype, self.engine.kv_cache.v_dtype
+
+    @property
+    def max_context_tokens(self) -> int:
+        return min(self.engine.max_model_len, self.engine.pool_capacity_tokens)
 
     def stream(
         self, prompt: ChatPrompt, params: "SamplingParams"

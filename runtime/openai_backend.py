@@ -99,6 +99,10 @@ class OpenAIBackend:
     def kv_dtypes(self) -> tuple[None, None]:
         return None, None
 
+    @property
+    def max_context_tokens(self) -> None:
+        return None
+
     def stats(self) -> EngineStats | None:
         return None
 

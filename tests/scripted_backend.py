@@ -34,6 +34,10 @@ class ScriptedBackend:
     def kv_dtypes(self) -> tuple[str, str]:
         return "float32", "float32"
 
+    @property
+    def max_context_tokens(self) -> int:
+        return 8192
+
     def stats(self) -> None:
         return None
 

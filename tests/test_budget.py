@@ -55,6 +55,19 @@ def test_token_budgets_ignore_bytes_per_token() -> None:
     assert remote.num_bytes is None and remote.describe() == "4,096 tokens"
 
 
+def test_a_budget_beyond_the_context_is_capped_at_it() -> None:
+    # 300 MiB of int8 KV would hold 26,083 tokens of SmolLM2; its context is 8,192.
+    capped = Budget.from_spec("300MiB", INT8, 8192)
+    assert (capped.tokens, capped.requested_tokens) == (8192, 300 * 1024**2 // INT8)
+    assert capped.high_tokens == int(8192 * 0.85)
+    assert capped.describe() == "8,192 tokens (94.2 MiB), the model's context; 300MiB would hold 26,083"
+    within = Budget.from_spec("8192tok", INT8, 8192)
+    assert (within.tokens, within.requested_tokens) == (8192, None)
+    assert Budget.from_spec("9000tok", None, 8192).describe() == (
+        "8,192 tokens, the model's context; 9000tok would hold 9,000"
+    )
+
+
 def test_bytes_without_bytes_per_token_are_refused() -> None:
     with pytest.raises(BudgetError, match="needs the KV bytes per token.*give it in tokens"):
         Budget.from_spec("24MiB", None)
@@ -89,6 +102,7 @@ class TokenizerOnly:
         self.tokenizer = tokenizer
         self.bytes_per_token = bytes_per_token
         self.kv_dtypes = ("float32", "float32") if bytes_per_token else (None, None)
+        self.max_context_tokens = 8192 if bytes_per_token else None
 
     def stream(self, prompt: Any, params: Any) -> Any:
         raise AssertionError("no request is expected")
@@ -137,3 +151,7 @@ def test_session_budget_is_stored_as_given_and_converted(tokenizer: Any, tmp_pat
     resumed = ContextManager.resume(store, TokenizerOnly(tokenizer, FP32), manager.session_id)
     assert resumed.budget.tokens == 546
     assert store.get_session(manager.session_id).budget_tokens == 546
+    # A budget the model's context cannot hold is stored as the context, for every later request.
+    resumed.set_budget("1GiB")
+    assert store.get_session(manager.session_id).budget_tokens == 8192
+    assert resumed.budget.high_tokens == int(8192 * 0.85)

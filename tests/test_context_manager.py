@@ -44,6 +44,10 @@ class RecordingBackend:
     def kv_dtypes(self) -> tuple[str, str]:
         return self.inner.kv_dtypes
 
+    @property
+    def max_context_tokens(self) -> int:
+        return self.inner.max_context_tokens
+
     def stream(self, prompt: ChatPrompt, params: SamplingParams) -> Generator[CompletionDelta, None, None]:
         self.prompts.append(prompt)
         yield from self.inner.stream(prompt, params)

@@ -54,6 +54,10 @@ class ReplayBackend:
     def kv_dtypes(self) -> tuple[str | None, str | None]:
         return (None, None) if self.remote else ("bfloat16", "int8")
 
+    @property
+    def max_context_tokens(self) -> int | None:
+        return None if self.remote else 8192
+
     def stream(self, prompt: ChatPrompt, params: SamplingParams) -> Generator[CompletionDelta, None, None]:
         ids = prompt.token_ids or []
         system = prompt.messages[0]["content"] if prompt.messages else ""
