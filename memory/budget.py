@@ -116,5 +116,6 @@ class Budget:
         if self.bytes_per_token is not None:
             text += f" ({format_bytes(self.tokens * self.bytes_per_token)})"
         if self.requested_tokens is not None:
-            text += f", the model's context; {self.spec.text} would hold {self.requested_tokens:,}"
+            asked = f"{self.spec.text} would be {self.requested_tokens:,}"
+            text += f", the most one conversation can hold; {asked}"
         return text

@@ -60,11 +60,13 @@ def test_a_budget_beyond_the_context_is_capped_at_it() -> None:
     capped = Budget.from_spec("300MiB", INT8, 8192)
     assert (capped.tokens, capped.requested_tokens) == (8192, 300 * 1024**2 // INT8)
     assert capped.high_tokens == int(8192 * 0.85)
-    assert capped.describe() == "8,192 tokens (94.2 MiB), the model's context; 300MiB would hold 26,083"
+    assert capped.describe() == (
+        "8,192 tokens (94.2 MiB), the most one conversation can hold; 300MiB would be 26,083"
+    )
     within = Budget.from_spec("8192tok", INT8, 8192)
     assert (within.tokens, within.requested_tokens) == (8192, None)
     assert Budget.from_spec("9000tok", None, 8192).describe() == (
-        "8,192 tokens, the model's context; 9000tok would hold 9,000"
+        "8,192 tokens, the most one conversation can hold; 9000tok would be 9,000"
     )
 
 
