@@ -182,6 +182,12 @@ def test_malformed_script_names_the_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.model
+def _as_in_a_terminal() -> None:
+    """Ctrl-C's signal at its default in the child, as a terminal's foreground job has it: a test
+    run started in the background by a shell without job control inherits SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_sigint_mid_reply_exits_130_and_stores_the_partial_reply(
     tmp_path: Path, default_model_path: Path
 ) -> None:
@@ -193,6 +199,7 @@ def test_sigint_mid_reply_exits_130_and_stores_the_partial_reply(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=REPO,
+        preexec_fn=_as_in_a_terminal,
     )  # fmt: skip
     assert proc.stdout is not None
     os.set_blocking(proc.stdout.fileno(), False)
