@@ -32,6 +32,9 @@ from runtime.sampling import SamplingParams
 from runtime.token_counting import TokenCounter
 
 CHAT_PATH = "/v1/chat/completions"
+MODELS_PATH = "/v1/models"
+_MODELS_TIMEOUT_S = 10.0  # the model list is optional information; a slow one is not waited for
+_MODELS_BODY_LIMIT = 4 * 1024**2
 _ERROR_BODY_LIMIT = 64 * 1024
 _CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb, used only when nothing can count
 
@@ -70,7 +73,8 @@ class OpenAIBackend:
         self._host = parts.hostname
         self._port = parts.port
         # Accept both ``http://host:8000`` and the OpenAI SDK's ``http://host:8000/v1``.
-        self._path = parts.path.rstrip("/").removesuffix("/v1") + CHAT_PATH
+        self._prefix = parts.path.rstrip("/").removesuffix("/v1")
+        self._path = self._prefix + CHAT_PATH
         self._fallback_encoding = fallback_encoding
         self._tokenizer = _load_tokenizer(Path(tokenizer_path)) if tokenizer_path is not None else None
         self.last_usage_source: str | None = None  # "server", "tokenizer", "tiktoken" or "estimate"
@@ -99,9 +103,31 @@ class OpenAIBackend:
     def kv_dtypes(self) -> tuple[None, None]:
         return None, None
 
-    @property
-    def max_context_tokens(self) -> None:
+    @cached_property
+    def max_context_tokens(self) -> int | None:
+        """This model's context on the server, where its ``GET /v1/models`` card states one
+        (``max_model_len``, as vLLM and ``liubai serve`` write it); asked once. None when the
+        server does not say, or cannot be asked: the budget then stays as the user gave it."""
+        for card in self._model_cards():
+            if card.get("id") == self.model_name:
+                length = card.get("max_model_len")
+                return length if isinstance(length, int) and length > 0 else None
         return None
+
+    def _model_cards(self) -> list[dict[str, Any]]:
+        connection = self._connection(min(self.timeout_s, _MODELS_TIMEOUT_S))
+        try:
+            connection.request("GET", self._prefix + MODELS_PATH, headers=self._headers("application/json"))
+            response = connection.getresponse()
+            if response.status != 200:
+                return []
+            payload = json.loads(response.read(_MODELS_BODY_LIMIT))
+        except (OSError, http.client.HTTPException, ValueError):
+            return []
+        finally:
+            connection.close()
+        data = payload.get("data") if isinstance(payload, dict) else None
+        return [card for card in data if isinstance(card, dict)] if isinstance(data, list) else []
 
     def stats(self) -> EngineStats | None:
         return None
@@ -244,15 +270,16 @@ class OpenAIBackend:
         )
         return num_prompt, num_chunks, 0, "estimate"
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self, timeout_s: float | None = None) -> http.client.HTTPConnection:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         if self._https:
-            return http.client.HTTPSConnection(self._host, self._port, timeout=self.timeout_s)
-        return http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s)
+            return http.client.HTTPSConnection(self._host, self._port, timeout=timeout)
+        return http.client.HTTPConnection(self._host, self._port, timeout=timeout)
 
-    def _headers(self) -> dict[str, str]:
+    def _headers(self, accept: str = "text/event-stream") -> dict[str, str]:
         headers = {
             "Content-Type": "application/json",
-            "Accept": "text/event-stream",
+            "Accept": accept,
             "User-Agent": "liubai",
         }
         if self._api_key:

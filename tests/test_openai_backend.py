@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from agent.session import default_budget
+from memory import Budget
 from runtime.backend import Backend, ChatPrompt
 from runtime.errors import EngineError
 from runtime.openai_backend import BackendError, OpenAIBackend
@@ -33,6 +35,8 @@ class FakeOpenAI:
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
         self.reply: Reply = sse_reply(["Hello"])
+        self.models: dict[str, Any] | None = None  # GET /v1/models' body; None answers 404
+        self.gets: list[str] = []
         self.client_gone = threading.Event()
         fake = self
 
@@ -44,6 +48,18 @@ class FakeOpenAI:
                     fake.reply(self, body)
                 except (BrokenPipeError, ConnectionResetError):
                     fake.client_gone.set()
+
+            def do_GET(self) -> None:
+                fake.gets.append(self.path)
+                if fake.models is None:
+                    self.send_error(404)
+                    return
+                payload = json.dumps(fake.models).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
@@ -138,6 +154,43 @@ def test_is_a_backend_that_knows_no_kv(server: FakeOpenAI) -> None:
     assert backend.bytes_per_token is None
     assert backend.kv_dtypes == (None, None)
     assert backend.stats() is None
+
+
+def test_context_length_comes_from_the_servers_model_card_once(server: FakeOpenAI) -> None:
+    server.models = {
+        "object": "list",
+        "data": [
+            {"id": "other-model", "object": "model", "max_model_len": 2048},
+            {"id": "served-model", "object": "model", "max_model_len": 32768},
+        ],
+    }
+    backend = OpenAIBackend(server.url + "/v1", "served-model")
+    assert backend.max_context_tokens == 32768
+    assert backend.max_context_tokens == 32768
+    assert server.gets == ["/v1/models"]
+    # The default budget of a session on it is that context; a larger one is capped at it.
+    assert default_budget(backend) == "32768tok"
+    assert Budget.from_spec("100000tok", None, backend.max_context_tokens).tokens == 32768
+
+
+@pytest.mark.parametrize(
+    "models",
+    [None, {"data": [{"id": "served-model"}]}, {"data": [{"id": "x", "max_model_len": 99}]}, {"data": "?"}],
+)
+def test_a_server_that_does_not_say_leaves_the_context_unknown(
+    server: FakeOpenAI, models: dict[str, Any] | None
+) -> None:
+    server.models = models
+    backend = OpenAIBackend(server.url, "served-model")
+    assert backend.max_context_tokens is None
+    assert default_budget(backend) == "8192tok"
+
+
+def test_an_unreachable_server_leaves_the_context_unknown() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert OpenAIBackend(f"http://127.0.0.1:{port}", "m").max_context_tokens is None
 
 
 def test_rejects_a_bad_base_url() -> None:

@@ -62,6 +62,8 @@ def test_same_answers_through_both_backends(
     local = run_script(LocalBackend(engine, model_name=MODEL), tmp_path, "local")
     remote_backend = OpenAIBackend(server.url, MODEL, tokenizer_path=default_model_path)
     remote = run_script(remote_backend, tmp_path, "remote")
+    # The server's model card tells the client the context its budgets are capped at.
+    assert remote_backend.max_context_tokens == engine.max_model_len == 8192
 
     assert [t["answer"] for t in remote["turns"]] == [t["answer"] for t in local["turns"]]
     # The server reports its prefix cache: turn 2 reuses turn 1's prompt.
