@@ -103,7 +103,7 @@ def add_agent_options(p: argparse.ArgumentParser) -> None:
         "--kv-budget",
         metavar="SIZE",
         default=None,
-        help="the conversation's KV budget, e.g. 24MiB or 4096tok (default: the model's context)",
+        help="the conversation's KV budget, e.g. 24MiB or 4096tok (default, and most: the model's context)",
     )
     kv.add_argument(
         "--kv-pool",
