@@ -271,7 +271,7 @@ def run_dtype(
         )
         store.close()
     window = steady_window(on.compaction_turns, len(messages) - len(FACTS) + 1)
-    result = {
+    run = {
         "kv_dtype": kv_dtype,
         "replies": "replayed from the first run" if reference else "the model's",
         "bytes_per_token": backend.bytes_per_token,
@@ -295,7 +295,7 @@ def run_dtype(
         "requests": len(on.kv_tokens),
         "engine_stats": engine.stats().to_dict(),
     }
-    return result, on.replies
+    return run, on.replies
 
 
 def targets(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -181,13 +181,13 @@ def test_malformed_script_names_the_line(tmp_path: Path) -> None:
     assert f"{script}:2" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.model
 def _as_in_a_terminal() -> None:
     """Ctrl-C's signal at its default in the child, as a terminal's foreground job has it: a test
     run started in the background by a shell without job control inherits SIGINT ignored."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.model
 def test_sigint_mid_reply_exits_130_and_stores_the_partial_reply(
     tmp_path: Path, default_model_path: Path
 ) -> None:
