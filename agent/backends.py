@@ -3,18 +3,17 @@
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime.backend import Backend
-from runtime.model_registry import lookup
-
-from .config import AgentConfig
+from agent.config import AgentConfig
+from runtime.backends.backend import Backend
+from runtime.models.registry import lookup
 
 if TYPE_CHECKING:
-    from runtime.engine import Engine
+    from runtime.engine.engine import Engine
 
 
 def open_backend(config: AgentConfig) -> Backend:
     if config.backend == "openai":
-        from runtime.openai_backend import OpenAIBackend
+        from runtime.backends.openai_backend import OpenAIBackend
 
         assert config.base_url is not None
         # A local model directory given as --model lends its tokenizer for exact token counts.
@@ -27,7 +26,7 @@ def open_backend(config: AgentConfig) -> Backend:
             tokenizer_path=config.model if local_dir else None,
         )
 
-    from runtime.backend import LocalBackend
+    from runtime.backends.backend import LocalBackend
 
     engine, name = open_engine(
         config.model,
@@ -43,7 +42,7 @@ def open_backend(config: AgentConfig) -> Backend:
 
 def open_engine(model: str, **options: Any) -> "tuple[Engine, str]":
     """The local engine for ``model`` (a short name, directory or .gguf) and the name it goes by."""
-    from runtime.model_loader import resolve_model
+    from runtime.models.loader import resolve_model
 
     # Resolve first: a bad --model fails before the engine allocates anything, and a missing
     # registry model is pulled with its own progress display.

@@ -8,9 +8,9 @@ the KV budget and dtypes, sampling, tools, prices and the database. ``__post_ini
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.model_registry import DEFAULT_MODEL
+from runtime.models.registry import DEFAULT_MODEL
 
-# The engine's KV storage dtypes (runtime.kv_quant.KV_DTYPES), spelled out so that building the
+# The engine's KV storage dtypes (runtime.kv.quant.KV_DTYPES), spelled out so that building the
 # CLI does not import torch; a test keeps the two equal.
 KV_DTYPES = ("auto", "int8", "fp8", "int4")
 BACKENDS = ("local", "openai")
@@ -84,7 +84,7 @@ class AgentConfig:
             BudgetSpec.parse(self.kv_budget)
         if self.price_per_hour is not None and self.price_per_hour < 0:
             raise ValueError(f"--price-per-hour must be >= 0, got {self.price_per_hour}")
-        from agent.tools import ToolPermissions
+        from agent.tools.registry import ToolPermissions
 
         ToolPermissions.parse(self.allow_tools, root=self.workdir)  # validates the names
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from runtime.metrics import RequestMetrics
+from runtime.engine.metrics import RequestMetrics
 
 _COMPACT_KEYS = {"in": "input_per_mtok", "cached": "cached_input_per_mtok", "out": "output_per_mtok"}
 _TOML_KEYS = {

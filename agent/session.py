@@ -15,16 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from memory.compaction import CompactionEvent
-from memory.context_manager import ContextManager
-from memory.store import Store
-from runtime.backend import Backend
-from runtime.metrics import RequestMetrics
-from runtime.sampling import SamplingParams
-
-from .config import AgentConfig
-from .cost import Cost, PriceTable, load_price_table, request_cost
-from .events import (
+from agent.config import AgentConfig
+from agent.cost import Cost, PriceTable, load_price_table, request_cost
+from agent.events import (
     Compacted,
     Event,
     RequestFinished,
@@ -34,8 +27,14 @@ from .events import (
     TurnFinished,
     TurnStarted,
 )
-from .tool_calls import ToolCallStreamFilter, parse_tool_calls, tool_result_message, tools_system_prompt
-from .tools import ToolPermissions, ToolRegistry
+from agent.tools.calls import ToolCallStreamFilter, parse_tool_calls, tool_result_message, tools_system_prompt
+from agent.tools.registry import ToolPermissions, ToolRegistry
+from memory.compaction import CompactionEvent
+from memory.context_manager import ContextManager
+from memory.store import Store
+from runtime.backends.backend import Backend
+from runtime.engine.metrics import RequestMetrics
+from runtime.engine.sampling import SamplingParams
 
 EventSink = Callable[[Event], None]
 

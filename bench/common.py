@@ -55,7 +55,7 @@ def parse(parser: argparse.ArgumentParser) -> argparse.Namespace:
 
 def resolve_model_dir(model: str) -> str:
     """A directory transformers and liubai both load: a short name is pulled once, a path taken as is."""
-    from runtime.model_loader import resolve_model  # late: importing bench must stay cheap
+    from runtime.models.loader import resolve_model  # late: importing bench must stay cheap
 
     return str(resolve_model(model))
 

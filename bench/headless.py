@@ -1,7 +1,7 @@
 """Headless sessions run concurrently (``liubai run -j 4``) against the same sessions one by one.
 
 Four scripted sessions of ``--turns`` user turns each, all opening with the same ~300-token
-system prompt, go through ``agent.headless.run_headless`` on one engine: first one after
+system prompt, go through ``agent.headless.runner.run_headless`` on one engine: first one after
 another (``-j 1``), then all four at once (``-j 4``) on fresh scripts with the same shapes, so
 that the prefix cache serves neither run from the other beyond the shared system prompt. Every
 reply is exactly ``--new-tokens`` long (EOS ignored by a sampling override) so both runs do the
@@ -58,7 +58,7 @@ def write_scripts(directory: Path, run: str, sessions: int, turns: int, words: i
 
 
 def run_once(backend: Any, config: Any, scripts: list[str], jobs: int) -> tuple[float, list[dict[str, Any]]]:
-    from agent.headless import HeadlessRun, run_headless
+    from agent.headless.runner import HeadlessRun, run_headless
 
     out = io.StringIO()
     start = time.perf_counter()
@@ -75,7 +75,7 @@ def main() -> None:
     args = parse_args()
     model_dir = common.resolve_model_dir(args.model)
     from agent.config import AgentConfig
-    from runtime.backend import LocalBackend
+    from runtime.backends.backend import LocalBackend
 
     engine = common.make_engine(model_dir, args.dtype, kv_pool="512MiB")
     # Same work in both runs: every reply is exactly --new-tokens long.

@@ -6,7 +6,7 @@ an element, even though the model runs fp32 on CPU); ``tokens_in_64MiB``; qualit
 over a fixed English text that ships with the benchmark (``bench/data/kvquant_text.txt``, cut to
 ``--text-tokens``), prefilled in chunks of ``--chunk`` tokens, every position attending to the
 blocks before its own as stored (quantized) and to its own block exactly, just as it would
-while decoding (``runtime/kv_context.py``); ``kld_mean`` (KL(auto || mode) of the
+while decoding (``runtime/kv/context.py``); ``kld_mean`` (KL(auto || mode) of the
 next-token distributions, mean over positions), ``top1_agree``, ``ppl_delta_pct``; decode speed
 with a ``--text-tokens`` context, ``decode_tok_s`` (tokens after the first / time after the
 first, best of ``--repeats``) and ``decode_ratio`` against ``auto``.
@@ -83,7 +83,7 @@ def liubai_logprobs(
     model_dir: str, dtype: str, mode: str, ids: list[int], chunk: int
 ) -> tuple[torch.Tensor, Any]:
     """Teacher-forced next-token log-probs at every position, (T, V) float32, and the engine's KV cache."""
-    from runtime.engine_config import EngineConfig
+    from runtime.engine.config import EngineConfig
 
     # The transformers forward runs the final norm over every position, where a hook sees it.
     extra = {"forward": "transformers"} if "forward" in {f.name for f in fields(EngineConfig)} else {}

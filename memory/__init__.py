@@ -5,11 +5,11 @@ model-written summary and recalling evicted ones by full-text search; ``Store`` 
 message, summary, compaction and request in SQLite.
 """
 
-from .budget import Budget, BudgetSpec
-from .compaction import CompactionEvent
-from .context_manager import BuiltPrompt, ContextManager, TurnInfo
-from .errors import BudgetError, MemoryLayerError, SessionNotFoundError, StoreError
-from .store import MessageRecord, SearchHit, SessionRecord, Store, default_db_path
+from memory.budget import Budget, BudgetSpec
+from memory.compaction import CompactionEvent
+from memory.context_manager import BuiltPrompt, ContextManager, TurnInfo
+from memory.errors import BudgetError, MemoryLayerError, SessionNotFoundError, StoreError
+from memory.store import MessageRecord, SearchHit, SessionRecord, Store, default_db_path
 
 __all__ = [
     "Budget",

@@ -14,9 +14,8 @@ cache) stable between compactions.
 import re
 from dataclasses import dataclass
 
+from memory.errors import BudgetError
 from runtime.sizes import format_bytes, parse_size
-
-from .errors import BudgetError
 
 _TOKENS_RE = re.compile(r"^\s*([0-9]+)\s*(tok|toks|tokens?)\s*$", re.IGNORECASE)
 

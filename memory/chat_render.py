@@ -121,7 +121,7 @@ class CountingRenderer:
     REPLY_PRIMING = 3
 
     def __init__(self, model_name: str) -> None:
-        from runtime.token_counting import TokenCounter
+        from runtime.backends.token_counting import TokenCounter
 
         counter = TokenCounter.for_model(model_name)
         if counter.source == "tiktoken":

@@ -14,12 +14,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.backend import Backend, ChatPrompt
-from runtime.metrics import RequestMetrics
-from runtime.sampling import SamplingParams
-
-from .chat_render import Renderer
-from .store import MessageRecord
+from memory.chat_render import Renderer
+from memory.store import MessageRecord
+from runtime.backends.backend import Backend, ChatPrompt
+from runtime.engine.metrics import RequestMetrics
+from runtime.engine.sampling import SamplingParams
 
 SUMMARY_INSTRUCTIONS = (
     "You keep the running summary of a conversation between a user and an assistant. "

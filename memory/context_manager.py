@@ -20,15 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.backend import Backend, ChatPrompt
-from runtime.metrics import RequestMetrics
-
-from .budget import Budget, BudgetSpec
-from .chat_render import renderer_for
-from .compaction import CompactionEvent, Summarizer, elapsed_ms
-from .errors import BudgetError, StoreError
-from .recall import Recall, recall_for
-from .store import MessageRecord, SearchHit, SessionRecord, Store
+from memory.budget import Budget, BudgetSpec
+from memory.chat_render import renderer_for
+from memory.compaction import CompactionEvent, Summarizer, elapsed_ms
+from memory.errors import BudgetError, StoreError
+from memory.recall import Recall, recall_for
+from memory.store import MessageRecord, SearchHit, SessionRecord, Store
+from runtime.backends.backend import Backend, ChatPrompt
+from runtime.engine.metrics import RequestMetrics
 
 SECTIONS = ("system", "pinned", "summary", "recalled", "recent", "new")
 SUMMARY_HEADER = "Summary of the earlier conversation:\n"
@@ -281,7 +280,7 @@ class ContextManager:
 
     def search(self, query: str, limit: int = 5) -> list[SearchHit]:
         """Full-text search over this session's whole history (the agent's ``recall`` tool)."""
-        from .recall import fts_query
+        from memory.recall import fts_query
 
         return self.store.search(
             self.session.id, fts_query(query), limit, states=("live", "summarized", "evicted")

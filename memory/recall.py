@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .store import SearchHit, Store
+from memory.store import SearchHit, Store
 
 # Words that match everywhere and so rank nothing.
 STOPWORDS = frozenset(

@@ -21,10 +21,9 @@ from typing import Any
 
 import sqlite_utils
 
+from memory.errors import SessionNotFoundError, StoreError
+from memory.migrations import MIGRATIONS
 from runtime.paths import data_dir
-
-from .errors import SessionNotFoundError, StoreError
-from .migrations import MIGRATIONS
 
 DB_FILENAME = "liubai.db"
 BUSY_TIMEOUT_MS = 5000

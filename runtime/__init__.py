@@ -8,20 +8,20 @@ is created.
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from .errors import EngineError, ModelError, PoolTooSmallError, PromptTooLongError, PullError
+from runtime.errors import EngineError, ModelError, PoolTooSmallError, PromptTooLongError, PullError
 
 if TYPE_CHECKING:
-    from .engine import Completion, CompletionDelta, Engine
-    from .metrics import EngineStats, RequestMetrics
-    from .sampling import SamplingParams
+    from runtime.engine.engine import Completion, CompletionDelta, Engine
+    from runtime.engine.metrics import EngineStats, RequestMetrics
+    from runtime.engine.sampling import SamplingParams
 
 _LAZY = {
-    "Completion": ".engine",
-    "CompletionDelta": ".engine",
-    "Engine": ".engine",
-    "EngineStats": ".metrics",
-    "RequestMetrics": ".metrics",
-    "SamplingParams": ".sampling",
+    "Completion": "runtime.engine.engine",
+    "CompletionDelta": "runtime.engine.engine",
+    "Engine": "runtime.engine.engine",
+    "EngineStats": "runtime.engine.metrics",
+    "RequestMetrics": "runtime.engine.metrics",
+    "SamplingParams": "runtime.engine.sampling",
 }
 
 
@@ -29,7 +29,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'runtime' has no attribute {name!r}")
-    return getattr(import_module(module, __name__), name)
+    return getattr(import_module(module), name)
 
 
 __all__ = [

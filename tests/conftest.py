@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.model_loader import resolve_model
-from runtime.model_registry import DEFAULT_MODEL
+from runtime.models.loader import resolve_model
+from runtime.models.registry import DEFAULT_MODEL
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +41,7 @@ def fake_convert(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
 
     Returns the list of GGUF files it was asked to convert, so tests can count conversions.
     """
-    from runtime import model_pull
+    from runtime.models import pull as model_pull
 
     calls: list[Path] = []
 

@@ -7,7 +7,7 @@ it returns the relative error ||x - x^|| / ||x|| for callers that also bound tha
 
 import torch
 
-from runtime import kv_quant as kq
+from runtime.kv import quant as kq
 
 FP16_EPS = 2.0**-10  # one fp16 ulp at 1.0, relative
 

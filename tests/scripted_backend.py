@@ -4,10 +4,10 @@ import threading
 from collections.abc import Generator
 from typing import Any
 
-from runtime.backend import ChatPrompt
-from runtime.engine import CompletionDelta
-from runtime.metrics import RequestMetrics
-from runtime.sampling import SamplingParams
+from runtime.backends.backend import ChatPrompt
+from runtime.engine.engine import CompletionDelta
+from runtime.engine.metrics import RequestMetrics
+from runtime.engine.sampling import SamplingParams
 
 
 class ScriptedBackend:

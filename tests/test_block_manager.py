@@ -3,9 +3,9 @@ cache and the eviction order of freed blocks."""
 
 import torch
 
-from runtime.block_manager import BlockManager, chain_hash
-from runtime.sampling import SamplingParams
-from runtime.sequence import Sequence
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.sequence import Sequence
+from runtime.kv.block_manager import BlockManager, chain_hash
 
 BS = 4
 

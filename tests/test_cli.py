@@ -13,16 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from agent import cli, headless
+from agent.cli import main as cli
 from agent.config import AgentConfig
-from agent.headless import HeadlessRun
+from agent.headless import runner as headless
+from agent.headless.runner import HeadlessRun
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def liubai(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     script = Path(sys.executable).parent / "liubai"
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "agent.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "agent.cli.main"]
     return subprocess.run(
         [*command, *args], input=stdin, capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False
     )
@@ -122,7 +123,7 @@ def seen_runs(monkeypatch: pytest.MonkeyPatch) -> Seen:
 
 def test_kv_dtype_flags_reach_the_config(seen_runs: Seen) -> None:
     from agent.config import KV_DTYPES as CONFIG_KV_DTYPES
-    from runtime.kv_quant import KV_DTYPES
+    from runtime.kv.quant import KV_DTYPES
 
     assert CONFIG_KV_DTYPES == KV_DTYPES
     assert cli.main(["run", "hi", "--kv-dtype", "int8", "--v-dtype", "int4", "--kv-budget", "24MiB"]) == 0

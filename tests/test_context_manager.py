@@ -15,9 +15,9 @@ import pytest
 from memory import BudgetError, CompactionEvent, ContextManager, Store, StoreError
 from memory.context_manager import SUMMARY_HEADER
 from runtime import Engine, SamplingParams
-from runtime.backend import ChatPrompt, LocalBackend
-from runtime.engine import CompletionDelta
-from runtime.metrics import EngineStats
+from runtime.backends.backend import ChatPrompt, LocalBackend
+from runtime.engine.engine import CompletionDelta
+from runtime.engine.metrics import EngineStats
 
 SYSTEM = "You are a helpful assistant."
 

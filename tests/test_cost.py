@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from agent.cost import PRESETS, PriceTable, load_price_table, parse_compact_prices, request_cost
-from runtime.metrics import RequestMetrics
+from runtime.engine.metrics import RequestMetrics
 
 
 def metrics() -> RequestMetrics:

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import Engine, gemm
-from runtime.gemm import LINEAR, ROW_BUCKETS, GemmPlan, matmul, plan_for
+from runtime import Engine
+from runtime.layers import gemm
+from runtime.layers.gemm import LINEAR, ROW_BUCKETS, GemmPlan, matmul, plan_for
 from tests.engine_helpers import GREEDY, NEW_TOKENS, PROMPTS, chat_ids, hf_greedy
 
 

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from agent.config import AgentConfig
-from agent.headless import HeadlessRun, run_headless
+from agent.headless.runner import HeadlessRun, run_headless
 from memory.store import Store
 from runtime import Engine
-from runtime.backend import LocalBackend
+from runtime.backends.backend import LocalBackend
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT_TURNS = [

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from runtime import Engine, PromptTooLongError, SamplingParams
-from runtime import kv_quant as kq
-from runtime.engine_config import EngineConfig
-from runtime.kv_cache import KVCache, KVLayout
+from runtime.engine.config import EngineConfig
+from runtime.kv import quant as kq
+from runtime.kv.cache import KVCache, KVLayout
 from tests.kv_bounds import CHECKS
 
 QUANTIZED = ("int8", "fp8", "int4")

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from agent import cli
+from agent.cli import main as cli
 from agent.config import AgentConfig
 from agent.session import AgentSession
 from memory.store import Store

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent import cli
-from agent.logs_slope import (
+from agent.cli import main as cli
+from agent.logs.slope import (
     DEFAULT_THRESHOLD,
     PLOT_WIDTH,
     fit_line,
@@ -340,7 +340,7 @@ def test_decode_slows_down_as_a_real_session_grows(tmp_path: Path, default_model
     from agent.config import AgentConfig
     from agent.session import AgentSession
     from runtime import Engine
-    from runtime.backend import LocalBackend
+    from runtime.backends.backend import LocalBackend
 
     db = tmp_path / "t.db"
     store = Store(db)

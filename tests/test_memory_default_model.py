@@ -16,8 +16,8 @@ import pytest
 
 from memory import BuiltPrompt, CompactionEvent, ContextManager, Store
 from runtime import Engine, SamplingParams
-from runtime.backend import LocalBackend
-from runtime.metrics import RequestMetrics
+from runtime.backends.backend import LocalBackend
+from runtime.engine.metrics import RequestMetrics
 
 pytestmark = pytest.mark.model
 

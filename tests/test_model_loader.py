@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from runtime import model_pull
 from runtime.errors import ModelError
-from runtime.model_loader import eos_token_ids, load_model, resolve_device, resolve_dtype, resolve_model
-from runtime.model_registry import DEFAULT_MODEL, REGISTRY
+from runtime.models import pull as model_pull
+from runtime.models.loader import eos_token_ids, load_model, resolve_device, resolve_dtype, resolve_model
+from runtime.models.registry import DEFAULT_MODEL, REGISTRY
 from runtime.paths import models_dir
 
 
@@ -35,7 +35,7 @@ def test_short_name_pulls_when_missing(fake_cache: Path, monkeypatch: pytest.Mon
         pulled.append(getattr(entry, "name", ""))
         return Path("/pulled")
 
-    monkeypatch.setattr("runtime.model_loader.pull_model", fake_pull)
+    monkeypatch.setattr("runtime.models.loader.pull_model", fake_pull)
     assert resolve_model(DEFAULT_MODEL) == Path("/pulled")
     assert pulled == [DEFAULT_MODEL]
 

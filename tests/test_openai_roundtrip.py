@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from agent.config import AgentConfig
-from agent.headless import HeadlessRun, run_headless
-from agent.serve import OpenAIServer
+from agent.headless.runner import HeadlessRun, run_headless
 from runtime import Engine
-from runtime.backend import Backend, LocalBackend
-from runtime.openai_backend import OpenAIBackend
+from runtime.backends.backend import Backend, LocalBackend
+from runtime.backends.openai_backend import OpenAIBackend
+from runtime.serve.server import OpenAIServer
 
 MODEL = "smollm2-135m-instruct"
 TURNS = [

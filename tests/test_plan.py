@@ -2,7 +2,7 @@
 
 Hand computation is written out as the formula in each test (2 x layers x KV heads x head dim x
 bytes for the model dtype; codes plus scales per KV head for quantized storage, as
-``runtime/kv_quant.py`` describes them), so a reader can check every number. The engine
+``runtime/kv/quant.py`` describes them), so a reader can check every number. The engine
 comparison builds a real :class:`runtime.Engine` on tiny random models and reads its stats.
 """
 
@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.plan_command import add_parser, render_plan, run
-from runtime.errors import ModelError
-from runtime.kv_plan import (
+from agent.cli.plan import add_parser, render_plan, run
+from runtime.capacity import (
     BLOCK_SIZE,
     KVPlan,
     ModelShape,
@@ -27,6 +26,7 @@ from runtime.kv_plan import (
     read_shape,
     shape_from_config,
 )
+from runtime.errors import ModelError
 
 GIB = 1024**3
 SMOLLM2 = ModelShape("smollm2", "llama", num_layers=30, num_attention_heads=9, num_kv_heads=3, head_dim=64)
@@ -147,8 +147,8 @@ def test_context_defaults_to_the_models_own() -> None:
 
 def test_block_size_matches_the_engine() -> None:
     from agent.config import KV_DTYPES as CLI_KV_DTYPES
-    from runtime.engine_config import EngineConfig
-    from runtime.kv_quant import KV_DTYPES
+    from runtime.engine.config import EngineConfig
+    from runtime.kv.quant import KV_DTYPES
 
     assert EngineConfig().block_size == BLOCK_SIZE
     assert CLI_KV_DTYPES == KV_DTYPES
@@ -397,7 +397,7 @@ def _without_name(plan: KVPlan) -> dict[str, object]:
     ],
 )
 def test_bad_arguments_are_usage_errors(argv: list[str], message: str) -> None:
-    from agent.cli import UsageError
+    from agent.cli.main import UsageError
 
     with pytest.raises(UsageError, match=message):
         plan_command(*argv)
@@ -412,7 +412,7 @@ def test_parser_shape_and_fast_import() -> None:
     """add_parser registers ``plan``, and importing it and building the parser leaves torch unloaded."""
     code = (
         "import argparse, sys\n"
-        "from agent.plan_command import add_parser\n"
+        "from agent.cli.plan import add_parser\n"
         "p = argparse.ArgumentParser(); sub = p.add_subparsers(); add_parser(sub)\n"
         "print(sub.choices['plan'].format_help())\n"
         "print('torch' in sys.modules)\n"

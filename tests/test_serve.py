@@ -22,9 +22,9 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 
-from agent.serve import OpenAIServer, is_loopback
-from agent.serve_command import add_parser, run
+from agent.cli.serve import add_parser, run
 from runtime import Completion, Engine, SamplingParams
+from runtime.serve.server import OpenAIServer, is_loopback
 
 pytestmark = pytest.mark.model
 

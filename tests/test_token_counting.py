@@ -15,9 +15,8 @@ from typing import Any
 
 import pytest
 
-from runtime import tiktoken_pull, wheel_download
-from runtime.errors import PullError
-from runtime.token_counting import (
+from runtime.backends import tiktoken_pull
+from runtime.backends.token_counting import (
     TIKTOKEN_FILES,
     TokenCount,
     TokenCounter,
@@ -26,6 +25,8 @@ from runtime.token_counting import (
     tiktoken_file_ok,
     use_liubai_tiktoken_cache,
 )
+from runtime.errors import PullError
+from runtime.models import wheel_download
 
 
 @pytest.fixture(autouse=True)

@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from agent.tool_calls import (
+from agent.tools.calls import (
     ToolCall,
     ToolCallStreamFilter,
     parse_tool_calls,
     tool_result_message,
     tools_system_prompt,
 )
-from agent.tools import ToolResult
+from agent.tools.registry import ToolResult
 
 
 def test_one_well_formed_call() -> None:

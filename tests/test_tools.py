@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from agent import process_io
-from agent.process_io import write_atomically
-from agent.tool_calls import ToolCall
-from agent.tools import ToolPermissions, ToolRegistry, ToolResult
+from agent.tools import process_io
+from agent.tools.calls import ToolCall
+from agent.tools.process_io import write_atomically
+from agent.tools.registry import ToolPermissions, ToolRegistry, ToolResult
 
 
 def call(name: str, **arguments: Any) -> ToolCall:

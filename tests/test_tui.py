@@ -19,7 +19,7 @@ from textual.widgets import Input
 from agent.config import AgentConfig
 from agent.session import AgentSession
 from memory.store import Store
-from runtime.backend import LocalBackend
+from runtime.backends.backend import LocalBackend
 from tests.test_tui_snapshots import REPLIES, TOOL_CALL, ReplayBackend
 from tui.app import LiubaiApp, run_chat
 from tui.commands import CommandError, SlashCommand, parse_command

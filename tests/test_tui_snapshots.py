@@ -21,10 +21,10 @@ from textual.widgets import Input
 from agent.config import AgentConfig
 from agent.session import AgentSession
 from memory.store import Store
-from runtime.backend import ChatPrompt
-from runtime.engine import CompletionDelta
-from runtime.metrics import EngineStats, RequestMetrics
-from runtime.sampling import SamplingParams
+from runtime.backends.backend import ChatPrompt
+from runtime.engine.engine import CompletionDelta
+from runtime.engine.metrics import EngineStats, RequestMetrics
+from runtime.engine.sampling import SamplingParams
 from tui.app import LiubaiApp
 
 BLOCK_SIZE = 16

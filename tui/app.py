@@ -21,8 +21,7 @@ from agent.config import AgentConfig
 from agent.session import AgentSession
 from memory.errors import MemoryLayerError
 from runtime.errors import EngineError
-
-from .screens.chat import ChatScreen, one_line
+from tui.screens.chat import ChatScreen, one_line
 
 EXIT_OK, EXIT_FAILURE, EXIT_INTERRUPTED = 0, 1, 130
 QUIT_WINDOW_S = 2.0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-from .messages import CommandChosen, PrefillInput
+from tui.messages import CommandChosen, PrefillInput
 
 EXPORT_SUFFIXES = (".md", ".markdown", ".jsonl")
 

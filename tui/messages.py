@@ -29,8 +29,7 @@ from memory.context_manager import TurnInfo
 
 if TYPE_CHECKING:
     from agent.session import AgentSession
-
-    from .commands import SlashCommand
+    from tui.commands import SlashCommand
 
 
 @dataclass(frozen=True, slots=True)

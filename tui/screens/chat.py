@@ -26,10 +26,9 @@ from agent.events import Event
 from agent.session import AgentSession, TurnInterrupted
 from memory.errors import MemoryLayerError
 from runtime.errors import EngineError
-
-from ..commands import CommandError, SlashCommand, SlashCommandProvider, is_command, parse_command
-from ..export import export_session
-from ..messages import (
+from tui.commands import CommandError, SlashCommand, SlashCommandProvider, is_command, parse_command
+from tui.export import export_session
+from tui.messages import (
     AgentFailed,
     CommandChosen,
     CompactionNoticed,
@@ -44,14 +43,14 @@ from ..messages import (
     TurnEnded,
     message_for,
 )
-from ..totals import SessionTotals
-from ..widgets.chat_log import ChatLog
-from ..widgets.kv_gauge import KVGauge, KVReading
-from ..widgets.latency_panel import LatencyPanel, LatencySample
-from ..widgets.pool_panel import PoolPanel, PrefixHits
-from ..widgets.turn_map import TurnMap
-from .help import HelpScreen
-from .stats import StatsScreen, session_slope_text, stats_markdown
+from tui.screens.help import HelpScreen
+from tui.screens.stats import StatsScreen, session_slope_text, stats_markdown
+from tui.totals import SessionTotals
+from tui.widgets.chat_log import ChatLog
+from tui.widgets.kv_gauge import KVGauge, KVReading
+from tui.widgets.latency_panel import LatencyPanel, LatencySample
+from tui.widgets.pool_panel import PoolPanel, PrefixHits
+from tui.widgets.turn_map import TurnMap
 
 USER_ERRORS = (EngineError, MemoryLayerError, ValueError)
 IDLE_HINT = "Message · Enter sends · /help for commands"

@@ -6,7 +6,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Markdown
 
-from ..commands import COMMAND_SPECS
+from tui.commands import COMMAND_SPECS
 
 KEYS = (
     ("Enter", "send the message (or run the /command)"),

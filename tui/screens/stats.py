@@ -9,11 +9,10 @@ from textual.screen import ModalScreen
 from textual.widgets import Markdown
 
 from memory.store import Store
-from runtime.metrics import EngineStats
+from runtime.engine.metrics import EngineStats
 from runtime.sizes import format_bytes
-
-from ..messages import ContextSnapshot
-from ..totals import SessionTotals
+from tui.messages import ContextSnapshot
+from tui.totals import SessionTotals
 
 
 def session_slope_text(db_path: Path, session_id: str) -> str | None:
@@ -21,7 +20,7 @@ def session_slope_text(db_path: Path, session_id: str) -> str | None:
 
     Read through a connection of its own: the agent's worker may be writing on the session's.
     """
-    from agent.logs_slope import render_slope, session_slope
+    from agent.logs.slope import render_slope, session_slope
 
     store = Store(db_path)
     try:

@@ -13,11 +13,10 @@ from textual.containers import VerticalScroll
 from textual.widget import Widget
 
 from memory.store import MessageRecord
-
-from .notice import Notice
-from .reply import AssistantReply
-from .tool_call import ToolCallView
-from .user_message import UserMessage
+from tui.widgets.notice import Notice
+from tui.widgets.reply import AssistantReply
+from tui.widgets.tool_call import ToolCallView
+from tui.widgets.user_message import UserMessage
 
 TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 

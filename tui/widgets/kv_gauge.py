@@ -13,8 +13,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from runtime.sizes import format_bytes
-
-from .bar import bar
+from tui.widgets.bar import bar
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,9 +11,8 @@ from textual.content import Content
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from runtime.metrics import EngineStats
-
-from .bar import segments
+from runtime.engine.metrics import EngineStats
+from tui.widgets.bar import segments
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,1 @@
+"""The ``liubai`` command line: one module per command."""

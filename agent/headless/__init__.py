@@ -1,0 +1,1 @@
+"""Headless runs: one prompt or a script of steps, without the TUI."""

@@ -1,0 +1,1 @@
+"""``liubai logs``: reports over the session database."""

@@ -1,0 +1,1 @@
+"""Where replies come from: the Backend interface, the local engine, an OpenAI server."""

@@ -1,0 +1,1 @@
+"""The engine core: requests in, tokens out, under continuous batching."""

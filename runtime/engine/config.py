@@ -1,0 +1,75 @@
+"""The engine's options, validated where they are given."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runtime.engine.scheduler import SchedulerConfig
+from runtime.kv.quant import KV_DTYPES
+from runtime.sizes import parse_size
+
+DEFAULT_CPU_POOL_BYTES = 1024**3  # 1 GiB: ~23k tokens of SmolLM2 KV in fp32
+CPU_POOL_SHARE = 0.2  # never more than this share of the memory available at start
+CUDA_POOL_SHARE = 0.5  # of the GPU memory free after the weights are loaded
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | Path = "smollm2-135m-instruct"
+    kv_pool: str | int | None = None  # bytes, e.g. "256MiB"; None picks a share of free memory
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's own context length
+    dtype: str = "auto"
+    device: str = "auto"
+    enable_prefix_caching: bool = True
+    # KV storage: "auto" (the model dtype), "int8", "fp8" (e4m3) or "int4"; k_dtype / v_dtype
+    # override kv_dtype for keys / values alone (e.g. int8 keys with int4 values).
+    kv_dtype: str = "auto"
+    k_dtype: str | None = None  # None: kv_dtype; after __post_init__ always a name
+    v_dtype: str | None = None
+    # "auto": the lean Llama-family forward where it applies; "transformers": always the model's own.
+    forward: str = "auto"
+    # "auto": each product in the form timed fastest on this CPU (gemm.py); "torch": F.linear.
+    gemm: str = "auto"
+    scheduler: SchedulerConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.forward not in ("auto", "transformers"):
+            raise ValueError(f"forward must be 'auto' or 'transformers', got {self.forward!r}")
+        if self.gemm not in ("auto", "torch"):
+            raise ValueError(f"gemm must be 'auto' or 'torch', got {self.gemm!r}")
+        if self.kv_pool is not None:
+            self.kv_pool = parse_size(self.kv_pool)
+        for option in ("kv_dtype", "k_dtype", "v_dtype"):
+            value = getattr(self, option)
+            if value is not None and value not in KV_DTYPES:
+                raise ValueError(f"{option} must be one of {', '.join(KV_DTYPES)}, got {value!r}")
+        self.k_dtype = self.k_dtype or self.kv_dtype
+        self.v_dtype = self.v_dtype or self.kv_dtype
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        self.scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
+
+    def kv_pool_bytes(self, device: torch.device) -> int:
+        if self.kv_pool is not None:
+            return int(self.kv_pool)
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            return int(free * CUDA_POOL_SHARE)
+        return min(DEFAULT_CPU_POOL_BYTES, int(_available_memory() * CPU_POOL_SHARE))
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 1024**3

@@ -1,0 +1,383 @@
+"""The engine: requests in, tokens out, KV memory accounted for.
+
+``Engine`` owns the model, the KV pool, the block manager and the scheduler, and advances all
+live requests together one :meth:`Engine.step` at a time. Callers normally use
+:meth:`generate` (a list of prompts, run as one continuous batch) or :meth:`stream` (one prompt,
+deltas as they are produced). Both are safe to call from several threads at once: whichever
+caller holds the step lock advances every request and hands each output to its owner's queue,
+so concurrent streams share forward passes without a background thread.
+"""
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Generator
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.engine.config import EngineConfig
+from runtime.engine.metrics import EngineStats, RequestMetrics
+from runtime.engine.model_runner import ModelRunner
+from runtime.engine.sampling import SamplingParams, sample
+from runtime.engine.scheduler import Scheduler
+from runtime.engine.sequence import Sequence, SequenceStatus
+from runtime.errors import ModelError, PoolTooSmallError, PromptTooLongError
+from runtime.kv.block_manager import BlockManager
+from runtime.kv.cache import KVCache, KVLayout, num_blocks_for
+from runtime.layers.attention import ATTENTION_NAME, paged_attention_forward
+from runtime.models.loader import load_model
+from runtime.sizes import format_bytes
+
+Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """What one request produced in one step. ``metrics`` is set on the last delta only."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(slots=True)
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    metrics: RequestMetrics
+
+
+class Engine:
+    def __init__(self, model: str | Path = "smollm2-135m-instruct", **options: Any) -> None:
+        self.config = EngineConfig(model=model, **options)
+        loaded = load_model(self.config.model, dtype=self.config.dtype, device=self.config.device)
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_path = loaded.path
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.eos_token_ids = loaded.eos_token_ids
+
+        cfg = self.model.config
+        if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
+            raise ModelError(f"{self.model_path}: sliding-window attention layers are not supported yet")
+        self.max_model_len: int = self.config.max_model_len or int(
+            getattr(cfg, "max_position_embeddings", 4096)
+        )
+        layout = KVLayout(
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            dtype=self.dtype,
+            block_size=self.config.block_size,
+            k_dtype=self.config.k_dtype or "auto",
+            v_dtype=self.config.v_dtype or "auto",
+        )
+        pool_bytes = self.config.kv_pool_bytes(self.device)
+        num_blocks = num_blocks_for(pool_bytes, layout.bytes_per_token, self.config.block_size)
+        if num_blocks < 1:
+            raise PoolTooSmallError(
+                f"a KV pool of {format_bytes(pool_bytes)} cannot hold one block of {self.config.block_size} "
+                f"tokens ({format_bytes(layout.bytes_per_token * self.config.block_size)}); raise --kv-pool"
+            )
+        self.kv_cache = KVCache(layout, num_blocks, self.config.block_size, self.device)
+        self.block_manager = BlockManager(
+            num_blocks, self.config.block_size, self.config.enable_prefix_caching, self.kv_cache.release
+        )
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+        self.model.config._attn_implementation = ATTENTION_NAME
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, self.device, self.config.forward, self.config.gemm
+        )
+
+        self._ids = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+        self._queues: dict[str, queue.SimpleQueue[CompletionDelta]] = {}
+        self._state_lock = threading.Lock()  # guards the scheduler's queues and _seqs
+        self._step_lock = threading.Lock()  # one caller advances the engine at a time
+        # Callers that find the engine busy sleep on this until the running step ends, rather
+        # than polling: N polling threads would take the GIL from the one doing the work.
+        self._stepped = threading.Condition()
+        self._num_steps = 0
+        self._max_batch_size = 0
+
+    # -- requests -----------------------------------------------------------------------------
+
+    @property
+    def pool_capacity_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.config.block_size
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return [int(t) for t in prompt]
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        params = params or SamplingParams()
+        token_ids = self.encode(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(token_ids)} tokens; the model's context is {self.max_model_len}"
+            )
+        if len(token_ids) > self.pool_capacity_tokens:
+            raise PromptTooLongError(
+                f"the prompt has {len(token_ids)} tokens; the KV pool holds {self.pool_capacity_tokens} "
+                f"({format_bytes(self.stats().kv_pool_bytes)}); raise --kv-pool"
+            )
+        request_id = request_id or f"req-{next(self._ids)}"
+        seq = Sequence(request_id, token_ids, params, self.tokenizer, self.eos_token_ids, self.device)
+        # The last generated token never needs KV, hence the +1 on the pool's capacity.
+        seq_limit = min(len(token_ids) + params.max_tokens, self.max_model_len, self.pool_capacity_tokens + 1)
+        seq.max_len = seq_limit
+        with self._state_lock:
+            if request_id in self._seqs:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._seqs[request_id] = seq
+            self._queues[request_id] = queue.SimpleQueue()
+            self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks; its stream ends with finish_reason 'abort'."""
+        with self._step_lock, self._state_lock:
+            seq = self._seqs.get(request_id)
+            if seq is None or seq.is_finished:
+                return
+            self.scheduler.finish(seq, "abort")
+            self._deliver(seq, [], final=True)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping -----------------------------------------------------------------------------
+
+    def step(self) -> list[CompletionDelta]:
+        """Run one forward over the scheduled batch; return each affected request's delta."""
+        with self._state_lock:
+            batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        now = time.perf_counter()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+                seq.metrics.queue_ms = (now - seq.arrival_time) * 1000
+        self._max_batch_size = max(self._max_batch_size, len(batch.seqs))
+
+        output = self.runner.execute(batch)
+        new_tokens = (
+            sample(
+                output.logits,
+                [s.params for s in output.sampling_seqs],
+                [s.generator for s in output.sampling_seqs],
+            )
+            if output.logits is not None
+            else []
+        )
+        now = time.perf_counter()
+
+        deltas: list[CompletionDelta] = []
+        with self._state_lock:
+            for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+                if seq.is_prefill:
+                    seq.metrics.num_prefilled_tokens += num_new
+                seq.num_computed_tokens += num_new
+                self.kv_cache.seal(self.block_manager.seal_full_blocks(seq))
+            for seq, token in zip(output.sampling_seqs, new_tokens, strict=True):
+                if seq.first_token_time is None and seq.first_scheduled_time is not None:
+                    seq.metrics.prefill_ms = (now - seq.first_scheduled_time) * 1000
+                seq.append_token(token, now)
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                deltas.append(self._deliver(seq, [token], final=reason is not None))
+        return deltas
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        stopped_by_string = seq.detokenizer.add_token(token) if token not in seq.stop_token_ids else False
+        if token in seq.stop_token_ids or stopped_by_string:
+            return "stop"
+        if len(seq) >= seq.max_len:
+            return "length"
+        return None
+
+    def _deliver(self, seq: Sequence, token_ids: list[int], final: bool) -> CompletionDelta:
+        delta = CompletionDelta(
+            request_id=seq.request_id,
+            token_ids=token_ids,
+            text=seq.detokenizer.take_delta(final=final),
+            finished=final,
+            finish_reason=seq.finish_reason if final else None,
+            metrics=seq.metrics if final else None,
+        )
+        owner = self._queues.get(seq.request_id)
+        if owner is not None:
+            owner.put(delta)
+        if final:
+            self._seqs.pop(seq.request_id, None)
+        return delta
+
+    def _advance(self) -> None:
+        """Step the engine if no other caller is doing so; otherwise wait for that caller's step."""
+        seen = self._num_steps
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self.step()
+            finally:
+                self._step_lock.release()
+                with self._stepped:
+                    self._num_steps += 1
+                    self._stepped.notify_all()
+        else:
+            with self._stepped:
+                # The timeout only bounds a wait on a step that was aborted or raised.
+                self._stepped.wait_for(lambda: self._num_steps != seen, timeout=0.05)
+
+    # -- front doors --------------------------------------------------------------------------
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Generator[CompletionDelta, None, None]:
+        request_id = self.add_request(prompt, params, request_id)
+        inbox = self._queues[request_id]
+        finished = False
+        try:
+            while True:
+                try:
+                    delta = inbox.get_nowait()
+                except queue.Empty:
+                    self._advance()
+                    continue
+                if delta.finished:
+                    finished = True
+                yield delta
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._queues.pop(request_id, None)
+
+    def generate(
+        self,
+        prompts: Prompt | SequenceOf[Prompt],
+        params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run prompts as one continuous batch; results in the order of the prompts."""
+        prompt_list: list[Prompt]
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompt_list = [prompts]  # type: ignore[list-item]  # one prompt: text or token ids
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        if isinstance(params, SequenceOf):
+            param_list = list(params)
+        else:
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        if len(param_list) != len(prompt_list):
+            raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} sampling params")
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompt_list, param_list, strict=True):
+                ids.append(self.add_request(prompt, p))
+            prompt_ids = {rid: list(self._seqs[rid].token_ids) for rid in ids}
+            tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+            texts: dict[str, list[str]] = {rid: [] for rid in ids}
+            done: dict[str, CompletionDelta] = {}
+            while len(done) < len(ids):
+                progressed = False
+                for rid in ids:
+                    if rid in done:
+                        continue
+                    inbox = self._queues[rid]
+                    while not inbox.empty():
+                        delta = inbox.get_nowait()
+                        progressed = True
+                        tokens[rid].extend(delta.token_ids)
+                        texts[rid].append(delta.text)
+                        if delta.finished:
+                            done[rid] = delta
+                if not progressed:
+                    self._advance()
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        finally:
+            for rid in ids:
+                self._queues.pop(rid, None)
+        results = []
+        for rid in ids:
+            last = done[rid]
+            assert last.finish_reason is not None and last.metrics is not None
+            results.append(
+                Completion(
+                    rid, prompt_ids[rid], tokens[rid], "".join(texts[rid]), last.finish_reason, last.metrics
+                )
+            )
+        return results
+
+    # -- observation --------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        with self._state_lock:
+            bm = self.block_manager
+            block_size = self.config.block_size
+            filled: dict[int, int] = {}
+            for seq in self.scheduler.running:
+                for i, block_id in enumerate(seq.block_table):
+                    used = min(block_size, max(0, seq.num_computed_tokens - i * block_size))
+                    filled[block_id] = max(filled.get(block_id, 0), used)
+            num_used = bm.num_used_blocks()
+            num_cached = bm.num_cached_free_blocks
+            return EngineStats(
+                block_size=block_size,
+                num_blocks_total=bm.num_blocks,
+                num_blocks_used=num_used,
+                num_blocks_cached=num_cached,
+                num_blocks_free=bm.num_free_blocks - num_cached,
+                kv_tokens_in_use=sum(filled.values()),
+                kv_bytes_in_use=num_used * self.kv_cache.bytes_per_block,
+                kv_pool_bytes=bm.num_blocks * self.kv_cache.bytes_per_block,
+                bytes_per_token=self.kv_cache.bytes_per_token,
+                k_dtype=self.kv_cache.k_dtype,
+                v_dtype=self.kv_cache.v_dtype,
+                prefix_queried_tokens=bm.num_queried_tokens,
+                prefix_hit_tokens=bm.num_hit_tokens,
+                prefix_hittable_tokens=bm.num_hittable_tokens,
+                num_preemptions=self.scheduler.num_preemptions,
+                max_batch_size=self._max_batch_size,
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                kv_staging_bytes=self.kv_cache.staging_bytes,
+            )
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (only unreferenced blocks; running requests keep theirs)."""
+        with self._step_lock, self._state_lock:
+            bm = self.block_manager
+            for block_id in bm.free_queue:
+                block = bm.blocks[block_id]
+                if block.block_hash is not None:
+                    bm.cached_blocks.pop(block.block_hash, None)
+                    block.block_hash = None
+                    block.token_ids = None
+
+
+__all__ = ["Completion", "CompletionDelta", "Engine", "SequenceStatus"]

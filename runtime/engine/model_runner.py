@@ -1,0 +1,126 @@
+"""Turns a scheduled batch into one model forward and returns the logits to sample from.
+
+All scheduled tokens are packed into a single ``(1, T)`` row with explicit ``position_ids``;
+the attention hook learns where each sequence starts and ends from :class:`AttentionMetadata`.
+Logits are computed only at each sequence's last token, and only for sequences that reach
+the end of their known tokens in this step (a prefill chunk that stops mid-prompt samples
+nothing).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.engine.scheduler import ScheduledBatch
+from runtime.engine.sequence import Sequence
+from runtime.kv.cache import KVCache
+from runtime.layers.attention import METADATA_KWARG, AttentionMetadata, DecodeBatch, PrefillSpan
+from runtime.layers.gemm import plan_for
+from runtime.layers.llama_forward import LlamaFamilyForward, supports
+
+
+@dataclass(slots=True)
+class StepOutput:
+    sampling_seqs: list[Sequence]  # the sequences whose logits are returned, row by row
+    logits: torch.Tensor | None  # (len(sampling_seqs), V) float32
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        device: torch.device,
+        forward: str = "auto",
+        gemm: str = "auto",
+    ) -> None:
+        self.model = model
+        # The lean forward where it reproduces the model exactly; transformers' own otherwise.
+        self.lean_forward = LlamaFamilyForward(model) if forward == "auto" and supports(model) else None
+        if self.lean_forward is not None:
+            self.lean_forward.gemm = plan_for(self.lean_forward.matrices(), enabled=gemm == "auto")
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = device
+
+        self._block_offsets = torch.arange(self.block_size, device=device)
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs = self.block_size
+        table = seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _context_slots(self, seq: Sequence, end: int) -> torch.Tensor:
+        """Slots of the sequence's first ``end`` tokens, (end,)."""
+        num_blocks = -(-end // self.block_size)
+        table = torch.tensor(seq.block_table[:num_blocks], device=self.device)
+        return (table[:, None] * self.block_size + self._block_offsets).flatten()[:end]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        prefills: list[PrefillSpan] = []
+        decode_index: list[int] = []
+        decode_slots: list[torch.Tensor] = []
+        keep: list[int] = []
+        sampling: list[Sequence] = []
+
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            end = start + num_new
+            query_start = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(self._slots(seq, start, end))
+            if num_new == 1 and start > 0:
+                decode_index.append(query_start)
+                decode_slots.append(self._context_slots(seq, end))
+            elif start == 0:
+                prefills.append(PrefillSpan(query_start, query_start + num_new, None, None))
+            else:
+                context = self._context_slots(seq, end)
+                mask = torch.ones(num_new, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+                prefills.append(PrefillSpan(query_start, query_start + num_new, context, mask))
+            if end == len(seq):
+                keep.append(query_start + num_new - 1)
+                sampling.append(seq)
+
+        meta = AttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.tensor(slot_mapping, device=self.device),
+            prefills=prefills,
+            decode=self._decode_batch(decode_index, decode_slots),
+        )
+        ids = torch.tensor([input_ids], device=self.device)  # (1, T)
+        pos = torch.tensor([positions], device=self.device)  # (1, T)
+        keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        if self.lean_forward is not None:
+            logits = self.lean_forward(ids[0], pos[0], meta, keep_index)  # (n, V)
+        else:
+            out = self.model(
+                input_ids=ids,
+                position_ids=pos,
+                use_cache=False,
+                logits_to_keep=keep_index,
+                **{METADATA_KWARG: meta},
+            )
+            logits = out.logits[0]  # (n, V)
+        return StepOutput(sampling, logits.float() if sampling else None)
+
+    def _decode_batch(self, index: list[int], slots: list[torch.Tensor]) -> DecodeBatch | None:
+        if not index:
+            return None
+        lengths = [len(s) for s in slots]
+        max_len = max(lengths)
+        mask = None
+        if min(lengths) != max_len:
+            length = torch.tensor(lengths, device=self.device)
+            mask = torch.arange(max_len, device=self.device)[None, :] < length[:, None]  # (B, L)
+            mask = mask[:, None, None, :]  # (B, 1, 1, L)
+        # Padding points at slot 0; the mask keeps it out of the softmax.
+        padded = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)  # (B, L)
+        return DecodeBatch(
+            query_index=torch.tensor(index, device=self.device), context_slots=padded, mask=mask
+        )

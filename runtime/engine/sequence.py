@@ -1,0 +1,82 @@
+"""A request as the engine tracks it: its tokens, where its KV lives, and its timings."""
+
+import enum
+import time
+from typing import Any
+
+import torch
+
+from runtime.engine.detokenizer import Detokenizer
+from runtime.engine.metrics import RequestMetrics
+from runtime.engine.sampling import SamplingParams, make_generator
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted and waiting to be recomputed
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Any,
+        eos_token_ids: list[int],
+        device: torch.device,
+    ) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt + generated
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.max_len = len(prompt_token_ids) + params.max_tokens  # the engine lowers it to what fits
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the pool
+        self.block_table: list[int] = []  # logical block -> physical block id
+        self.block_hashes: list[int] = []  # chained hash of each full block, in order
+        self.finish_reason: str | None = None
+        self.stop_token_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_token_ids.update(eos_token_ids)
+        self.generator = make_generator(params, device)
+        self.detokenizer = Detokenizer(tokenizer, params.stop, params.include_stop_str_in_output)
+        self.metrics = RequestMetrics(num_prompt_tokens=self.num_prompt_tokens)
+        self.arrival_time = time.perf_counter()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.admitted_once = False
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while tokens before the last one still lack KV (prompt, or recompute after preemption)."""
+        return self.num_computed_tokens < len(self.token_ids) - 1
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+            self.metrics.ttft_ms = (now - self.arrival_time) * 1000
+        else:
+            assert self.last_token_time is not None
+            self.metrics.inter_token_ms.append((now - self.last_token_time) * 1000)
+            self.metrics.decode_ms = (now - self.first_token_time) * 1000
+        self.last_token_time = now
+        self.metrics.num_generated_tokens = self.num_output_tokens

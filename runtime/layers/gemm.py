@@ -1,0 +1,187 @@
+"""Matrix products for the lean forward, asked of BLAS in the form this machine runs fastest.
+
+``y = x @ W.T`` (x: M rows of activations, W: the layer's weight) can be asked of BLAS in forms
+that compute the same numbers up to rounding: ``F.linear`` (x times W transposed), or
+weight-major (W times x transposed, then transposed back), whole or in chunks of rows. They
+are not the same kernel. On an AMD EPYC with torch's MKL, weight-major reads weights 2-3x as
+fast for 2 to 4 rows, 8 rows run fastest as two chunks of 4, and one row is fastest padded to
+two, since the matrix-vector path streams weights at half the rate of the two-column product
+(SmolLM2's 113 MB output projection: 12.4 ms as one row, 5.4 ms padded to two). On an Intel
+CPU with AMX, ``F.linear`` was already at 0.8 of the memory bandwidth. So nothing is assumed:
+when the engine loads a model on the CPU it times the forms on the model's own weights, shape
+by shape, for each power-of-two row count up to :data:`ROW_BUCKETS`'s last (decode-sized
+batches; a prefill of more rows is compute-bound and keeps ``F.linear``), and keeps the
+fastest. The choice is cached on disk, keyed by CPU, torch version, thread count, dtype and
+shapes, so the timing runs once per machine.
+"""
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from runtime.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+LINEAR = 0  # a plan entry: F.linear; any other entry n: weight-major in chunks of at most n rows
+# Below this many weight elements a product costs microseconds whichever form it takes.
+MIN_TUNED_ELEMENTS = 1 << 17
+# A weight-major form is chosen only when it is clearly faster: a close call would flip between runs.
+MIN_GAIN = 0.9
+Shape = tuple[int, int]
+
+
+def matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int = LINEAR
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for x (M, K), weight (N, K): (M, N), contiguous, in the form ``chunk``."""
+    if chunk == LINEAR:
+        return F.linear(x, weight, bias)
+    if x.shape[0] == 1:
+        y = torch.mm(weight, F.pad(x, (0, 0, 0, 1)).T)[:, :1].T  # one row padded to two
+    else:
+        # part.T is the rows' own storage read column-major: no copy before the product.
+        y = torch.cat([torch.mm(weight, part.T).T for part in x.split(chunk)])
+    y = y.contiguous()
+    return y if bias is None else y + bias
+
+
+class GemmPlan:
+    """The form of each product, per weight shape and row count; an empty plan is ``F.linear`` throughout."""
+
+    def __init__(self, chunks: dict[Shape, tuple[int, ...]] | None = None) -> None:
+        self.chunks = chunks or {}  # shape -> one entry per ROW_BUCKETS entry (LINEAR or a chunk)
+        self._by_rows: dict[int, dict[Shape, int]] = {}
+
+    def forms_for(self, rows: int) -> dict[Shape, int]:
+        """The weight shapes to run weight-major for a product of ``rows`` rows, with their chunks."""
+        forms = self._by_rows.get(rows)
+        if forms is None:
+            bucket = _bucket(rows)
+            forms = {}
+            if bucket is not None:
+                forms = {
+                    s: entries[bucket] for s, entries in self.chunks.items() if entries[bucket] != LINEAR
+                }
+            self._by_rows[rows] = forms
+        return forms
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {f"{n}x{k}": list(entries) for (n, k), entries in self.chunks.items()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, list[int]]) -> "GemmPlan":
+        chunks: dict[Shape, tuple[int, ...]] = {}
+        for key, entries in data.items():
+            n, k = key.split("x")
+            if len(entries) != len(ROW_BUCKETS) or any(not isinstance(e, int) or e < 0 for e in entries):
+                raise ValueError(f"{key}: expected {len(ROW_BUCKETS)} chunk sizes, got {entries!r}")
+            chunks[(int(n), int(k))] = tuple(entries)
+        return cls(chunks)
+
+
+def _bucket(rows: int) -> int | None:
+    """Index of the largest ROW_BUCKETS entry not above ``rows``; None beyond the last."""
+    if rows > ROW_BUCKETS[-1]:
+        return None
+    return rows.bit_length() - 1
+
+
+def plan_for(weights: Iterable[torch.Tensor], enabled: bool = True) -> GemmPlan:
+    """The plan for a model's weights: loaded from the cache, or timed now and cached.
+
+    Only CPU weights large enough to matter are considered; on other devices, with
+    ``enabled`` false, or with nothing to time, the plan is empty.
+    """
+    by_shape: dict[Shape, list[torch.Tensor]] = {}
+    for w in weights:
+        if w.device.type == "cpu" and w.dim() == 2 and w.numel() >= MIN_TUNED_ELEMENTS:
+            by_shape.setdefault((w.shape[0], w.shape[1]), []).append(w)
+    if not enabled or not by_shape:
+        return GemmPlan()
+    dtype = next(iter(by_shape.values()))[0].dtype
+    path = _cache_path(sorted(by_shape), dtype)
+    try:
+        return GemmPlan.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError):
+        pass
+    started = time.perf_counter()
+    plan = GemmPlan({shape: _time_shape(ws) for shape, ws in by_shape.items()})
+    log.info("gemm plan timed in %.1f s: %s", time.perf_counter() - started, plan.to_json())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(plan.to_json()))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache only means timing again next time
+    return plan
+
+
+def _time_shape(weights: list[torch.Tensor]) -> tuple[int, ...]:
+    """For each row bucket: the fastest form over every weight of this shape.
+
+    Every weight of the shape is multiplied in turn, so the timing streams them from memory as
+    a real forward does, rather than finding one weight warm in cache. Weight-major is tried
+    whole and in halves and quarters (at least two rows each).
+    """
+    k = weights[0].shape[1]
+    entries = []
+    generator = torch.Generator().manual_seed(0)
+    for rows in ROW_BUCKETS:
+        x = torch.randn(rows, k, generator=generator).to(weights[0].dtype)
+
+        def run(chunk: int, x: torch.Tensor = x) -> float:
+            return _best_time(lambda: [matmul(x, w, None, chunk) for w in weights])
+
+        linear = run(LINEAR)
+        chunks = sorted({max(rows // d, 2) for d in (1, 2, 4)}) if rows > 1 else [1]
+        times = {chunk: run(chunk) for chunk in chunks}
+        fastest = min(chunks, key=times.__getitem__)
+        entries.append(fastest if times[fastest] < MIN_GAIN * linear else LINEAR)
+    return tuple(entries)
+
+
+@torch.inference_mode()
+def _best_time(run: Callable[[], object], repeats: int = 2) -> float:
+    run()  # warm-up: first-call allocations and BLAS setup
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _cache_path(shapes: list[Shape], dtype: torch.dtype) -> Path:
+    key = json.dumps(
+        {
+            "cpu": _cpu_name(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "dtype": str(dtype),
+            "shapes": shapes,
+            "buckets": ROW_BUCKETS,
+        },
+        sort_keys=True,
+    )
+    return cache_dir() / "gemm" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

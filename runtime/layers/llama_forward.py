@@ -1,0 +1,178 @@
+"""A lean forward pass for Llama-family decoders (Llama, Qwen2, Mistral without sliding windows).
+
+The engine can run any transformers causal LM through the attention hook (``runtime/layers/attention.py``);
+for the Llama family it runs this forward instead, because on a CPU a 135M-parameter model's
+decode step is dominated by per-operation overhead, not arithmetic: transformers' module tree
+spends roughly a third of each step in Python dispatch, decorators and keyword plumbing.
+
+This forward calls the same torch operations in the same order on the same weights, with two
+structural changes that cut calls: the q/k/v projections run as one matmul and the gate/up
+projections as another. The fused weights are built once and the model's own ``nn.Linear``
+modules are rebound to views of them, so memory is not duplicated and the transformers path
+keeps working on the same storage. With ``F.linear`` its outputs are bit-identical to
+transformers'. Each product is asked of BLAS in the form a :class:`GemmPlan` timed fastest on
+this machine (``runtime/layers/gemm.py``), which changes only rounding; the tests assert tokens against
+``generate()`` either way.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from runtime.layers.attention import METADATA_KWARG, AttentionMetadata, paged_attention_forward
+from runtime.layers.gemm import LINEAR, GemmPlan, Shape, matmul
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
+
+
+def supports(model: Any) -> bool:
+    """Whether ``model`` is a decoder this forward reproduces exactly."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return False
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return False
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
+        return False
+    if config.model_type == "mistral" and getattr(config, "sliding_window", None):
+        return False
+    return True
+
+
+@dataclass(slots=True)
+class _Layer:
+    attention: torch.nn.Module  # passed to the attention function (it reads layer_idx)
+    input_norm_weight: torch.Tensor
+    input_norm_eps: float
+    qkv_weight: torch.Tensor  # (H*D + 2*KVH*D, hidden)
+    qkv_bias: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm_weight: torch.Tensor
+    post_norm_eps: float
+    gate_up_weight: torch.Tensor  # (2*I, hidden)
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate weights (and biases) and rebind each module to its view of the result."""
+    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    has_bias = [lin.bias is not None for lin in linears]
+    bias = None
+    if any(has_bias):
+        bias = torch.cat(
+            [
+                lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features)
+                for lin in linears
+            ]
+        )
+    start = 0
+    for lin in linears:
+        end = start + lin.out_features
+        lin.weight = torch.nn.Parameter(weight[start:end], requires_grad=False)
+        if lin.bias is not None and bias is not None:
+            lin.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return weight, bias
+
+
+class LlamaFamilyForward:
+    def __init__(self, model: Any) -> None:
+        config = model.config
+        self.gemm = GemmPlan()  # F.linear throughout until the runner times a plan for matrices()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.embed_weight = model.model.embed_tokens.weight
+        self.rotary = model.model.rotary_emb
+        self.final_norm_weight = model.model.norm.weight
+        self.final_norm_eps = model.model.norm.variance_epsilon
+        self.lm_head_weight = model.lm_head.weight
+        self.lm_head_bias = model.lm_head.bias
+        self.layers: list[_Layer] = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_weight, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up_weight, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+            self.layers.append(
+                _Layer(
+                    attention=attn,
+                    input_norm_weight=layer.input_layernorm.weight,
+                    input_norm_eps=layer.input_layernorm.variance_epsilon,
+                    qkv_weight=qkv_weight,
+                    qkv_bias=qkv_bias,
+                    o_weight=attn.o_proj.weight,
+                    o_bias=attn.o_proj.bias,
+                    post_norm_weight=layer.post_attention_layernorm.weight,
+                    post_norm_eps=layer.post_attention_layernorm.variance_epsilon,
+                    gate_up_weight=gate_up_weight,
+                    gate_up_bias=gate_up_bias,
+                    down_weight=mlp.down_proj.weight,
+                    down_bias=mlp.down_proj.bias,
+                )
+            )
+        self.scaling = model.model.layers[0].self_attn.scaling
+
+    def matrices(self) -> list[torch.Tensor]:
+        """Every weight this forward multiplies by, for the GEMM plan to time."""
+        per_layer = [(la.qkv_weight, la.o_weight, la.gate_up_weight, la.down_weight) for la in self.layers]
+        return [w for ws in per_layer for w in ws] + [self.lm_head_weight]
+
+    @staticmethod
+    def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Exactly transformers' LlamaRMSNorm, op for op, so the result is bit-identical.
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (x * cos) + (rotated * sin)
+
+    @torch.inference_mode()
+    def __call__(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits (len(keep), V) at packed positions ``keep``; ``input_ids``, ``position_ids``: (T,)."""
+        num_tokens = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed_weight)  # (T, hidden)
+        cos, sin = self.rotary(h[None], position_ids[None])  # (1, T, D) each
+        cos, sin = cos[0], sin[0]  # (T, D), broadcast over heads below
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        kwargs: dict[str, Any] = {METADATA_KWARG: meta}
+        forms = self.gemm.forms_for(num_tokens)
+        for layer in self.layers:
+            x = self._rms_norm(h, layer.input_norm_weight, layer.input_norm_eps)
+            qkv = _linear(forms, x, layer.qkv_weight, layer.qkv_bias)  # (T, (H + 2*KVH) * D)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim).transpose(0, 1)  # (H, T, D)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim).transpose(0, 1)  # (KVH, T, D)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim).transpose(0, 1)  # (KVH, T, D)
+            q = self._rotate(q, cos, sin)
+            k = self._rotate(k, cos, sin)
+            attn, _ = paged_attention_forward(
+                layer.attention, q[None], k[None], v[None], None, scaling=self.scaling, **kwargs
+            )  # (1, T, H, D)
+            h = h + _linear(forms, attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+            x = self._rms_norm(h, layer.post_norm_weight, layer.post_norm_eps)
+            gate_up = _linear(forms, x, layer.gate_up_weight, layer.gate_up_bias)
+            gate, up = gate_up.chunk(2, dim=-1)  # (T, I) each
+            h = h + _linear(forms, F.silu(gate) * up, layer.down_weight, layer.down_bias)
+        h = self._rms_norm(h[keep], self.final_norm_weight, self.final_norm_eps)  # (n, hidden)
+        head_forms = self.gemm.forms_for(h.shape[0])  # the head multiplies only the sampled rows
+        return _linear(head_forms, h, self.lm_head_weight, self.lm_head_bias)  # (n, V)
+
+
+def _linear(
+    forms: dict[Shape, int], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear`` in the form the plan chose for this weight's shape (``forms_for``'s result)."""
+    return matmul(x, weight, bias, forms.get((weight.shape[0], weight.shape[1]), LINEAR))

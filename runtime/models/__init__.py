@@ -1,0 +1,1 @@
+"""Getting a model: the registry of known models, pulling, converting and loading."""
