@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def liubai(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     script = Path(sys.executable).parent / "liubai"
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "agent.cli.main"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "agent.cli"]
     return subprocess.run(
         [*command, *args], input=stdin, capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False
     )

@@ -397,7 +397,7 @@ def _without_name(plan: KVPlan) -> dict[str, object]:
     ],
 )
 def test_bad_arguments_are_usage_errors(argv: list[str], message: str) -> None:
-    from agent.cli.main import UsageError
+    from agent.errors import UsageError
 
     with pytest.raises(UsageError, match=message):
         plan_command(*argv)

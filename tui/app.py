@@ -18,12 +18,12 @@ from textual.app import App
 from textual.binding import Binding
 
 from agent.config import AgentConfig
+from agent.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, error_line
 from agent.session import AgentSession
 from memory.errors import MemoryLayerError
 from runtime.errors import EngineError
-from tui.screens.chat import ChatScreen, one_line
+from tui.screens.chat import ChatScreen
 
-EXIT_OK, EXIT_FAILURE, EXIT_INTERRUPTED = 0, 1, 130
 QUIT_WINDOW_S = 2.0
 STORE_WAIT_S = 30.0  # at exit, how long to wait for a cancelled reply to be stored
 
@@ -87,7 +87,7 @@ def run_chat(config: AgentConfig, session_id: str | None) -> int:
     try:
         session = open_session(config, session_id)
     except (EngineError, MemoryLayerError, ValueError) as exc:
-        print(f"liubai: error: {one_line(exc)}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return EXIT_FAILURE
     app = LiubaiApp(session)
     try:

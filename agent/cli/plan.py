@@ -78,7 +78,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent.cli.main import UsageError
+    from agent.errors import UsageError
     from runtime.capacity import PlanRequest, parse_context, plan_kv, read_shape
     from runtime.models.registry import DEFAULT_MODEL
     from runtime.sizes import parse_size

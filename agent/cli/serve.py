@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from agent.config import KV_DTYPES
+from agent.errors import EXIT_FAILURE, EXIT_INTERRUPTED, error_line
 from runtime.models.registry import DEFAULT_MODEL
 
 DEFAULT_HOST = "127.0.0.1"
@@ -163,10 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(args)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     except (EngineError, ValueError) as exc:
-        print(f"liubai serve: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 1
+        print(error_line(exc, prog="liubai serve"), file=sys.stderr)
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

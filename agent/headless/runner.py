@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from agent.config import AgentConfig
+from agent.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, error_line
 from agent.events import Compacted, ErrorOccurred, Event, TokenDelta, ToolCalled, ToolFinished, TurnFinished
 from agent.headless.script import Script, ScriptStep, load_script
 from agent.session import AgentSession, TurnInterrupted, TurnResult, cost_of, timings_of, usage_of
@@ -29,7 +30,6 @@ from memory.store import Store
 from runtime.backends.backend import Backend
 from runtime.errors import EngineError
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 OUTPUTS = ("text", "json", "jsonl")
 
 
@@ -149,7 +149,7 @@ class _Writer:
                     f"liubai: tool {event.name}: {event.content.splitlines()[0] if event.content else ''}\n"
                 )
             elif isinstance(event, ErrorOccurred):
-                self.err.write(f"liubai: error: {event.message}\n")
+                self.err.write(error_line(event.message) + "\n")
             self.err.flush()
 
     def result(self, outcome: SessionOutcome, multi: bool) -> None:

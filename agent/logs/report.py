@@ -6,16 +6,13 @@ compute seconds, dollars); ``logs show ID`` lists a session's every request and 
 location. ``--json`` turns any listing into JSON for scripts.
 """
 
-import argparse
 import csv
 import json
 import statistics
-import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
-from memory.store import Store, default_db_path
+from memory.store import Store
 
 EXPORT_FORMATS = ("jsonl", "csv")
 
@@ -214,65 +211,3 @@ def export_requests(store: Store, fmt: str, session_id: str | None, out: TextIO)
     writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-
-
-# -- command line ---------------------------------------------------------------------------
-
-
-def add_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    p = commands.add_parser(
-        "logs",
-        help="sessions, requests and their cost and latency",
-        description="List sessions with their tokens, latency and cost; show one session's requests and "
-        "compactions; export every request.",
-    )
-    p.add_argument(
-        "--db", default=None, metavar="PATH", help="the SQLite database (default: in the user data dir)"
-    )
-    p.add_argument("--json", action="store_true", help="print JSON")
-    sub = p.add_subparsers(dest="logs_command", metavar="ACTION")
-    show = sub.add_parser("show", help="every request and compaction of a session")
-    show.add_argument("session_id", metavar="ID")
-    show.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
-    export = sub.add_parser("export", help="every request as JSON lines or CSV")
-    export.add_argument("--format", choices=EXPORT_FORMATS, default="jsonl")
-    export.add_argument("--session", default=None, metavar="ID", help="only this session's requests")
-    export.add_argument("--output", "-o", default=None, metavar="FILE", help="write here instead of stdout")
-    sub.add_parser("path", help="print the database's path")
-    from agent.logs import slope as logs_slope
-
-    logs_slope.add_parser(sub)
-    p.set_defaults(handler=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    path = Path(args.db) if args.db else default_db_path()
-    action = args.logs_command
-    if action == "path":
-        print(path)
-        return 0
-    if not path.exists():
-        if getattr(args, "json", False):
-            print("[]")
-        else:
-            print(f"no sessions yet ({path} does not exist)", file=sys.stderr)
-        return 0 if action is None else 1
-    store = Store(path)
-    try:
-        if action is None:
-            list_sessions(store, args.json, sys.stdout)
-        elif action == "show":
-            show_session(store, args.session_id, args.json, sys.stdout)
-        elif action == "export":
-            if args.output:
-                with open(args.output, "w", encoding="utf-8", newline="") as f:
-                    export_requests(store, args.format, args.session, f)
-            else:
-                export_requests(store, args.format, args.session, sys.stdout)
-        elif action == "slope":
-            from agent.logs import slope as logs_slope
-
-            return logs_slope.run(store, args, sys.stdout)
-    finally:
-        store.close()
-    return 0

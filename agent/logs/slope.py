@@ -21,12 +21,10 @@ threshold; the report fits short sessions, long sessions and all of them. A line
 n - 2); with fewer the report says so instead of fitting.
 """
 
-import argparse
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
 from memory.store import Store
 
@@ -348,53 +346,3 @@ def render_slope(report: SlopeReport) -> str:
     if not report.has_fit:
         lines += ["", f"no fit: fewer than {MIN_POINTS} usable points at two or more context lengths"]
     return "\n".join(lines) + "\n"
-
-
-# -- command line ---------------------------------------------------------------------------
-
-
-def _tokens(text: str) -> int:
-    try:
-        value = int(text.replace(",", "").replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 tokens, got {value}")
-    return value
-
-
-def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    p = sub.add_parser(
-        "slope",
-        help="how prefill, decode and cost per turn grow with context length",
-        description="Fit prefill ms per prefilled token, decode ms per generated token and the compute "
-        "seconds (and dollars) per turn against context length, by least squares, for short sessions, "
-        "long sessions and all; then chart decode ms/token by context.",
-    )
-    which = p.add_mutually_exclusive_group()
-    which.add_argument("session_id", nargs="?", metavar="SESSION", help="this session (default: the latest)")
-    which.add_argument("--all", action="store_true", help="every stored session")
-    p.add_argument(
-        "--threshold",
-        type=_tokens,
-        default=DEFAULT_THRESHOLD,
-        metavar="TOKENS",
-        help=f"a session is long when its largest context exceeds this (default {DEFAULT_THRESHOLD})",
-    )
-    p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
-
-
-def run(store: Store, args: argparse.Namespace, out: TextIO) -> int:
-    if args.all:
-        session_ids = [s.id for s in store.list_sessions()]
-    elif args.session_id is not None:
-        session_ids = [args.session_id]
-    else:
-        latest = max(store.list_sessions(), key=lambda s: s.updated, default=None)
-        session_ids = [latest.id] if latest is not None else []
-    report = slope_report(store, session_ids, args.threshold)
-    if getattr(args, "json", False):
-        out.write(json.dumps(report.to_dict(), ensure_ascii=False) + "\n")
-    else:
-        out.write(render_slope(report))
-    return 0

@@ -22,6 +22,7 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input
 
+from agent.errors import one_line
 from agent.events import Event
 from agent.session import AgentSession, TurnInterrupted
 from memory.errors import MemoryLayerError
@@ -55,10 +56,6 @@ from tui.widgets.turn_map import TurnMap
 USER_ERRORS = (EngineError, MemoryLayerError, ValueError)
 IDLE_HINT = "Message · Enter sends · /help for commands"
 POLL_INTERVAL_S = 0.25  # the pool gauge's refresh while a job runs (~4 Hz)
-
-
-def one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 class ChatScreen(Screen[None]):
