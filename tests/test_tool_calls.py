@@ -11,7 +11,7 @@ from agent.tools.calls import (
     tool_result_message,
     tools_system_prompt,
 )
-from agent.tools.registry import ToolResult
+from agent.tools.result import ToolResult
 
 
 def test_one_well_formed_call() -> None:

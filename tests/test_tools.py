@@ -10,7 +10,8 @@ import pytest
 from agent.tools import process_io
 from agent.tools.calls import ToolCall
 from agent.tools.process_io import write_atomically
-from agent.tools.registry import ToolPermissions, ToolRegistry, ToolResult
+from agent.tools.registry import ToolPermissions, ToolRegistry
+from agent.tools.result import ToolResult
 
 
 def call(name: str, **arguments: Any) -> ToolCall:

@@ -8,8 +8,9 @@ one of the paths the user named, so ``..``, absolute paths and symlinks cannot e
 
 :meth:`ToolRegistry.run` never raises for a tool-level problem (unknown tool, bad arguments,
 refusal, missing file, timeout): tools raise :class:`ToolError` internally and ``run`` turns
-it into a failed :class:`ToolResult` whose content is the one-line reason the model and the
-user both see. ``refused`` marks a permission or confinement refusal: nothing was run.
+it into a failed :class:`~agent.tools.result.ToolResult` whose content is the one-line reason
+the model and the user both see. ``refused`` marks a permission or confinement refusal: nothing
+was run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 from agent.tools.calls import ToolCall
 from agent.tools.process_io import run_shell, write_atomically
+from agent.tools.result import ToolResult
 
 OPTIONAL_TOOLS = ("shell", "write")
 
@@ -41,17 +43,6 @@ class ToolError(Exception):
 
 class ToolRefused(ToolError):
     """A call refused by permission or confinement; nothing was run."""
-
-
-@dataclass(slots=True)
-class ToolResult:
-    """What a tool run produced: ``content`` is exactly what the model will read."""
-
-    ok: bool
-    content: str
-    refused: bool = False
-    truncated: bool = False
-    duration_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
