@@ -1,7 +1,7 @@
 # liubai: `make run` opens the chat (`make run PROMPT="..."` answers one prompt headless);
 # `make test` runs lint, types and tests.
 # Both create .venv on first use, reinstall only when pyproject.toml changes (a stamp file),
-# and pull the default model once into ~/.cache/liubai (no Hub access needed).
+# and pull the default model and tiktoken's encodings once into ~/.cache/liubai (no Hub access needed).
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -26,6 +26,7 @@ setup: $(STAMP)
 
 pull: setup
 	$(BIN)/liubai pull
+	$(BIN)/liubai pull tiktoken
 
 run: pull
 	@if [ -n "$$PROMPT" ]; then $(BIN)/liubai run "$$PROMPT"; else $(BIN)/liubai chat; fi
