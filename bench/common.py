@@ -189,6 +189,13 @@ def hf_generate(model: Any, ids: list[int] | torch.Tensor, new_tokens: int, **kw
     return out[:, input_ids.shape[1] :]
 
 
+def cache_kwarg(model: Any) -> str:
+    """The keyword a transformers model takes its KV cache by (``cache``; ``past_key_values`` before)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 # --- memory roofline -------------------------------------------------------------------------
 
 
