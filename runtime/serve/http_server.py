@@ -7,9 +7,8 @@ server's log, never to the client.
 
 Separate from :mod:`runtime.serve.server` so that what the server does
 (:class:`~runtime.serve.server.OpenAIServer`: binding, the endpoints' work, shutdown) reads
-without the wire protocol around it. This module only calls the server; it imports
-:mod:`runtime.serve.server` for type checking alone, so the two never import each other at
-runtime.
+without the wire protocol around it. This module only calls the server, through the
+:class:`Endpoints` protocol it defines; the server imports this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -21,19 +20,19 @@ import select
 import socket
 import socketserver
 import sys
-from collections.abc import Iterator
-from contextlib import closing
+import threading
+from collections.abc import Callable, Generator, Iterator, Set
+from contextlib import AbstractContextManager, closing
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import chain
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 from urllib.parse import urlsplit
 
 from runtime.serve.protocol import ApiError, GenerationRequest, Reply, usage
 
 if TYPE_CHECKING:
     from runtime.engine.engine import CompletionDelta
-    from runtime.serve.server import OpenAIServer
 
 # An unwanted body (of a request refused early) up to this size is read and dropped, so the
 # connection can carry the client's next request; a larger one closes the connection.
@@ -60,10 +59,34 @@ def one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
+class Endpoints(Protocol):
+    """What a connection calls on the server (:class:`~runtime.serve.server.OpenAIServer`)."""
+
+    @property
+    def stopping(self) -> threading.Event: ...
+    @property
+    def api_key(self) -> str | None: ...
+    @property
+    def max_body_bytes(self) -> int: ...
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def model_names(self) -> Set[str]: ...
+
+    def models(self) -> dict[str, Any]: ...
+    def model_card(self) -> dict[str, Any]: ...
+    def metrics_text(self) -> str: ...
+    def parse(self, endpoint: str, body: dict[str, Any]) -> GenerationRequest: ...
+    def tracking(self) -> AbstractContextManager[None]: ...
+    def generate(
+        self, request: GenerationRequest, request_id: str, client_gone: Callable[[], bool]
+    ) -> Generator[CompletionDelta, None, None]: ...
+
+
 class HTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # an idle keep-alive connection must not hold the process open
 
-    def __init__(self, address: tuple[str, int], api: OpenAIServer) -> None:
+    def __init__(self, address: tuple[str, int], api: Endpoints) -> None:
         self.api = api
         super().__init__(address, _Handler)
 
@@ -95,7 +118,7 @@ class _Handler(BaseHTTPRequestHandler):
     _streaming = False  # headers of a streamed reply are out: errors can only go into the stream
 
     @property
-    def api(self) -> OpenAIServer:
+    def api(self) -> Endpoints:
         return cast(HTTPServer, self.server).api
 
     def do_GET(self) -> None:
@@ -168,7 +191,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ApiError(404, f"The model `{name}` does not exist", code="model_not_found")
             self._send_json(200, api.model_card())
         elif route == "/metrics":
-            text = api.metrics.render(api.engine.stats(), api.model_name).encode()
+            text = api.metrics_text().encode()
             self._send_bytes(200, text, "text/plain; version=0.0.4; charset=utf-8")
         else:
             self._send_json(200, {"status": "ok"})

@@ -159,6 +159,10 @@ class OpenAIServer:
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_card()]}
 
+    def metrics_text(self) -> str:
+        """``/metrics``: the server's counters and the engine's stats now, as Prometheus text."""
+        return self.metrics.render(self.engine.stats(), self.model_name)
+
     def model_card(self) -> dict[str, Any]:
         return {
             "id": self.model_name,
