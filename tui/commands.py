@@ -1,18 +1,13 @@
-"""The chat's slash commands: what can be typed, how it parses, and the command palette's view of it.
+"""The chat's slash commands: what can be typed and how it parses.
 
 A command is parsed into a :class:`SlashCommand` value here and carried out by the chat screen,
-so the input line and the palette (Ctrl-P) reach exactly the same code: the palette's provider
-only posts :class:`~tui.messages.CommandChosen` (or :class:`~tui.messages.PrefillInput` for a
-command that still needs its argument) to the screen it was opened on.
+so the input line and the palette (Ctrl-P, :mod:`tui.command_palette`) reach exactly the same
+code. Plain values and a parser, with no Textual in them: the messages that carry a command
+import this module, and nothing here imports them.
 """
 
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-
-from textual.command import DiscoveryHit, Hit, Hits, Provider
-
-from tui.messages import CommandChosen, PrefillInput
 
 EXPORT_SUFFIXES = (".md", ".markdown", ".jsonl")
 
@@ -91,41 +86,3 @@ def parse_command(text: str) -> SlashCommand:
         if Path(argument).suffix.lower() not in EXPORT_SUFFIXES:
             raise CommandError(f"/export writes Markdown (.md) or JSON lines (.jsonl), not {argument!r}")
     return SlashCommand(name, argument)
-
-
-class SlashCommandProvider(Provider):
-    """The slash commands in Textual's command palette (Ctrl-P).
-
-    Typing a whole command (``pin 3``, ``/budget 2000tok``) offers to run it as typed; a command
-    name alone runs it, or, when it needs an argument, puts ``/name `` into the chat input.
-    """
-
-    async def discover(self) -> Hits:
-        for spec in COMMAND_SPECS:
-            yield DiscoveryHit(spec.usage, partial(self._choose, spec), help=spec.help)
-
-    async def search(self, query: str) -> Hits:
-        typed = query.strip()
-        if " " in typed:
-            try:
-                command = parse_command(typed if typed.startswith("/") else f"/{typed}")
-            except CommandError:
-                pass  # not a whole command yet: fall through to matching the names
-            else:
-                spec = SPECS_BY_NAME[command.name]
-                yield Hit(1.0, command.text, partial(self._run, command), help=spec.help)
-                return
-        matcher = self.matcher(typed.removeprefix("/"))
-        for spec in COMMAND_SPECS:
-            score = matcher.match(spec.usage)
-            if score > 0:
-                yield Hit(score, matcher.highlight(spec.usage), partial(self._choose, spec), help=spec.help)
-
-    def _choose(self, spec: CommandSpec) -> None:
-        if spec.runs_alone:
-            self._run(SlashCommand(spec.name))
-        else:
-            self.screen.post_message(PrefillInput(f"/{spec.name} "))
-
-    def _run(self, command: SlashCommand) -> None:
-        self.screen.post_message(CommandChosen(command))

@@ -26,10 +26,10 @@ from agent.events import (
     TurnStarted,
 )
 from memory.context_manager import TurnInfo
+from tui.commands import SlashCommand
 
 if TYPE_CHECKING:
     from agent.session import AgentSession
-    from tui.commands import SlashCommand
 
 
 @dataclass(frozen=True, slots=True)

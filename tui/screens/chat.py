@@ -27,7 +27,8 @@ from agent.events import Event
 from agent.session import AgentSession, TurnInterrupted
 from memory.errors import MemoryLayerError
 from runtime.errors import EngineError
-from tui.commands import CommandError, SlashCommand, SlashCommandProvider, is_command, parse_command
+from tui.command_palette import SlashCommandProvider
+from tui.commands import CommandError, SlashCommand, is_command, parse_command
 from tui.export import export_session
 from tui.messages import (
     AgentFailed,
