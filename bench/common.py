@@ -12,6 +12,7 @@ under ``bench/results/``).
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -168,6 +169,20 @@ def decode_rate(num_tokens: int, t_first: float, t_all: float) -> float | None:
 
 def rounded(value: float | None, digits: int = 2) -> float | None:
     return None if value is None else round(value, digits)
+
+
+def median_spread(values: list[float | None], digits: int = 3) -> tuple[float | None, list[float] | None]:
+    """The median of ``values`` and their ``[min, max]``, rounded; None values are left out."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None, None
+    low, high = min(present), max(present)
+    return round(statistics.median(present), digits), [round(low, digits), round(high, digits)]
+
+
+def alternating(items: list[T], repeat: int) -> list[T]:
+    """``items`` in order on even repeats and reversed on odd ones, so no side always runs first."""
+    return list(items) if repeat % 2 == 0 else list(reversed(items))
 
 
 # --- transformers peer -----------------------------------------------------------------------

@@ -1,16 +1,20 @@
 """Headless sessions run concurrently (``liubai run -j 4``) against the same sessions one by one.
 
 Four scripted sessions of ``--turns`` user turns each, all opening with the same ~300-token
-system prompt, go through ``agent.headless.runner.run_headless`` on one engine: first one after
-another (``-j 1``), then all four at once (``-j 4``) on fresh scripts with the same shapes, so
-that the prefix cache serves neither run from the other beyond the shared system prompt. Every
-reply is exactly ``--new-tokens`` long (EOS ignored by a sampling override) so both runs do the
-same work.
+system prompt, go through ``agent.headless.runner.run_headless`` on one engine two ways: one
+after another (``-j 1``) and all four at once (``-j 4``), each run on fresh scripts with the
+same shapes, so that the prefix cache serves no run from another beyond the shared system
+prompt. Every reply is exactly ``--new-tokens`` long (EOS ignored by a sampling override) so
+both ways do the same work. Before timing, each way runs once at its own shape (one session at
+``-j 1``, all sessions at ``-j 4``, two turns each), so neither pays for a first batch shape.
 
-Keys: ``wall_s_parallel``, ``wall_s_sequential``, ``speedup``; ``prefix_hit_rate`` (cached /
-prompt tokens over every request of the parallel run: the shared system prompt and each
-session's own history must hit); ``overhead_ms_per_turn`` (agent + store time outside the
-engine's requests, per turn) and ``overhead_share`` (of the mean turn's wall time).
+The two take turns for ``--repeats`` rounds, alternating which goes first (as ``bench.serve``
+does). Keys are medians over the rounds, each with its ``[min, max]`` under ``spread``:
+``wall_s_parallel``, ``wall_s_sequential``, ``speedup`` (of each round's pair, then the
+median); ``prefix_hit_rate`` (cached / prompt tokens over every request of a parallel run: the
+shared system prompt and each session's own history must hit); ``overhead_ms_per_turn`` (agent
++ store time outside the engine's requests, per turn) and ``overhead_share`` (of the mean turn's
+wall time), both from the parallel runs.
 """
 
 import argparse
@@ -18,6 +22,7 @@ import io
 import json
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -29,21 +34,36 @@ SYSTEM = (
 )
 
 
+# The keys reported as the median over rounds (with their spread), and their rounding.
+SUMMARISED = {
+    "wall_s_parallel": 3,
+    "wall_s_sequential": 3,
+    "speedup": 3,
+    "prefix_hit_rate": 3,
+    "overhead_ms_per_turn": 3,
+    "mean_turn_ms": 1,
+    "overhead_share": 4,
+}
+
+
 def parse_args() -> argparse.Namespace:
     parser = common.base_parser(__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--user-tokens", type=int, default=60, help="about this many words per user turn")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of both, each on fresh scripts")
     args = common.parse(parser)
     if args.quick:
-        args.turns, args.new_tokens, args.user_tokens = 3, 8, 20
+        args.turns, args.new_tokens, args.user_tokens, args.repeats = 3, 8, 20, 2
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     return args
 
 
 def write_scripts(directory: Path, run: str, sessions: int, turns: int, words: int) -> list[str]:
     paths = []
-    seed = sum(map(ord, run)) * 10_000  # deterministic across processes, unlike hash()
+    seed = zlib.crc32(run.encode()) % 10**6 * 10_000  # deterministic across processes, unlike hash()
     for s in range(sessions):
         path = directory / f"{run}-{s}.jsonl"
         lines = [
@@ -69,6 +89,26 @@ def run_once(backend: Any, config: Any, scripts: list[str], jobs: int) -> tuple[
     if code != 0:
         raise SystemExit(f"bench.headless: the run failed (exit {code}): {out.getvalue()[-500:]}")
     return wall, [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def one_round(walls: dict[str, float], results: list[dict[str, Any]], turns: int) -> dict[str, Any]:
+    """One round's figures: both wall times, and the parallel run's cache hits and overhead."""
+    all_turns = [t for r in results for t in r["turns"]]
+    prompt_tokens = sum(t["usage"]["prompt_tokens"] for t in all_turns)
+    cached_tokens = sum(t["usage"]["cached_tokens"] for t in all_turns)
+    overhead_ms = sum(r["overhead_ms"] for r in results) / len(all_turns)
+    # Sessions run side by side, so a turn's wall time is the run's wall time over one session's turns.
+    mean_turn_ms = walls["parallel"] * 1000 / turns
+    return {
+        "wall_s_parallel": round(walls["parallel"], 3),
+        "wall_s_sequential": round(walls["sequential"], 3),
+        "speedup": common.ratio(walls["sequential"], walls["parallel"]),
+        "prefix_hit_rate": common.ratio(cached_tokens, prompt_tokens),
+        "first_turn_cached_tokens": [r["turns"][0]["usage"]["cached_tokens"] for r in results],
+        "overhead_ms_per_turn": round(overhead_ms, 3),
+        "mean_turn_ms": round(mean_turn_ms, 1),
+        "overhead_share": common.rounded(common.ratio(overhead_ms, mean_turn_ms), 4),
+    }
 
 
 def main() -> None:
@@ -98,39 +138,37 @@ def main() -> None:
             tools=False,
             kv_budget="8192tok",
         )
-        warm = write_scripts(directory, "warm", 1, 1, args.user_tokens)
-        run_once(backend, config, warm, 1)  # loads the lazy paths; caches the system prompt
+        for jobs in (1, args.sessions):  # each way once at the shape it is timed at
+            warm = write_scripts(directory, f"warm-j{jobs}", jobs, 2, args.user_tokens)
+            run_once(backend, config, warm, jobs)
 
-        common.log(f"sequential: {args.sessions} sessions × {args.turns} turns")
-        sequential = write_scripts(directory, "seq", args.sessions, args.turns, args.user_tokens)
-        wall_seq, _ = run_once(backend, config, sequential, 1)
-        common.log(f"  {wall_seq:.1f} s")
-        common.log(f"parallel: -j {args.sessions}")
-        parallel = write_scripts(directory, "par", args.sessions, args.turns, args.user_tokens)
-        wall_par, results = run_once(backend, config, parallel, args.sessions)
-        common.log(f"  {wall_par:.1f} s")
+        rounds: list[dict[str, Any]] = []
+        for r in range(args.repeats):
+            order = common.alternating(["sequential", "parallel"], r)
+            common.log(f"round {r + 1}/{args.repeats}: {', '.join(order)}")
+            walls: dict[str, float] = {}
+            outputs: dict[str, list[dict[str, Any]]] = {}
+            for way in order:
+                jobs = 1 if way == "sequential" else args.sessions
+                scripts = write_scripts(directory, f"{way}-{r}", args.sessions, args.turns, args.user_tokens)
+                walls[way], outputs[way] = run_once(backend, config, scripts, jobs)
+                common.log(f"  {way} (-j {jobs}): {walls[way]:.1f} s")
+            rounds.append(one_round(walls, outputs["parallel"], args.turns))
 
-    turns = [t for r in results for t in r["turns"]]
-    prompt_tokens = sum(t["usage"]["prompt_tokens"] for t in turns)
-    cached_tokens = sum(t["usage"]["cached_tokens"] for t in turns)
-    first_turn_cached = [r["turns"][0]["usage"]["cached_tokens"] for r in results]
-    overhead_ms = sum(r["overhead_ms"] for r in results) / len(turns)
-    # Sessions run side by side, so a turn's wall time is the run's wall time over one session's turns.
-    mean_turn_ms = wall_par * 1000 / args.turns
+    medians: dict[str, float | None] = {}
+    spread: dict[str, list[float] | None] = {}
+    for key, digits in SUMMARISED.items():
+        medians[key], spread[key] = common.median_spread([r[key] for r in rounds], digits)
     result = {
         "bench": "headless",
         "sessions": args.sessions,
         "turns_per_session": args.turns,
         "new_tokens": args.new_tokens,
-        "wall_s_parallel": common.rounded(wall_par, 3),
-        "wall_s_sequential": common.rounded(wall_seq, 3),
-        "speedup": common.rounded(common.ratio(wall_seq, wall_par), 3),
-        "prefix_hit_rate": common.rounded(common.ratio(cached_tokens, prompt_tokens), 3),
-        "first_turn_cached_tokens": first_turn_cached,
+        "repeats": args.repeats,
+        **medians,
+        "spread": spread,
+        "rounds": rounds,
         "max_batch_size": engine.stats().max_batch_size,
-        "overhead_ms_per_turn": common.rounded(overhead_ms, 3),
-        "mean_turn_ms": common.rounded(mean_turn_ms, 1),
-        "overhead_share": common.rounded(common.ratio(overhead_ms, mean_turn_ms), 4),
         "targets": {"speedup": 2.5, "overhead_share": 0.05},
         **common.environment(args, model_dir),
     }
