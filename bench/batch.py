@@ -8,9 +8,14 @@ concurrent work then goes through transformers twice: ``generate()`` on the prom
 left-padded into one batch (pad = EOS), and transformers' own continuous batching,
 ``model.generate_batch``. Every figure is generated tokens / wall seconds of the whole call.
 
-The four run in turn for ``--repeats`` rounds, each round on fresh prompts, and each keeps
-its best round, so a burst of load elsewhere does not decide a ratio. ``ttft_ms_p50`` is the
-median of the engine's time to first token over one round's concurrent requests (best round).
+Before timing, every configuration runs once at the shape it is timed at (both concurrent
+liubai and the two transformers batches at ``--requests`` prompts, liubai alone at one)
+on prompts of their own. The four then run in turn for ``--repeats`` rounds, each round on
+fresh prompts and in the reverse order of the round before (as ``bench.serve`` alternates), so
+no configuration always runs first. Every figure is the median over the rounds, with its
+``[min, max]`` under ``spread``; each ratio is taken within a round, then its median. ``ttft_ms_p50``
+is the median over rounds of the engine's median time to first token over the round's
+concurrent requests.
 """
 
 import argparse
@@ -28,10 +33,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=2, help="rounds of all four, each on fresh prompts")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of all four, each on fresh prompts")
     args = common.parse(parser)
     if args.quick:
-        args.requests, args.new_tokens, args.prompt_tokens, args.repeats = 4, 16, 64, 1
+        args.requests, args.new_tokens, args.prompt_tokens, args.repeats = 4, 16, 64, 2
+    if args.repeats < 1 or args.requests < 1:
+        parser.error("--repeats and --requests must be at least 1")
     return args
 
 
@@ -75,10 +82,11 @@ def tok_s(label: str, run: Callable[[], int], expected: int) -> float:
 
 
 def one_round(
-    engine: Any, hf_model: Any, prompts: list[list[int]], n: int
+    engine: Any, hf_model: Any, prompts: list[list[int]], n: int, repeat: int
 ) -> tuple[dict[str, float], list[Any]]:
-    """Every configuration once: the first half of ``prompts`` concurrently (liubai, then both
-    transformers batches on the same prompts), the second half one by one through liubai."""
+    """Every configuration once: the first half of ``prompts`` concurrently (liubai and both
+    transformers batches on the same prompts), the second half one by one through liubai; in
+    the listed order on even rounds, reversed on odd ones."""
     k = len(prompts) // 2
     concurrent, sequential = prompts[:k], prompts[k:]
     completions: list[Any] = []
@@ -96,7 +104,9 @@ def one_round(
         "transformers padded": lambda: hf_padded_tokens(hf_model, concurrent, n),
         "transformers generate_batch": lambda: hf_continuous_tokens(hf_model, concurrent, n),
     }
-    return {label: tok_s(label, run, k * n) for label, run in runs.items()}, completions
+    order = common.alternating(list(runs), repeat)
+    rates = {label: tok_s(label, runs[label], k * n) for label in order}
+    return {label: rates[label] for label in runs}, completions
 
 
 def main() -> None:
@@ -105,37 +115,45 @@ def main() -> None:
     model_dir = common.resolve_model_dir(args.model)
     engine = common.make_engine(model_dir, args.dtype)
     hf_model = common.load_hf(model_dir, args.dtype)
+    # Per round k prompts for the concurrent batch and k for the sequential side; k more to warm up.
     prompts = [
-        common.chat_prompt(engine.tokenizer, i, args.prompt_tokens) for i in range(2 * k * args.repeats + 1)
+        common.chat_prompt(engine.tokenizer, i, args.prompt_tokens) for i in range(2 * k * args.repeats + k)
     ]
     common.log(f"{k} requests of ~{len(prompts[0])} prompt tokens, {n} new tokens each ({args.dtype})")
-    common.log("warm-up")
-    warm = prompts[-1:]
+    common.log(f"warm-up: the batches at {k}, liubai alone at 1")
+    warm = prompts[-k:]
     engine.generate(warm, common.sampling(4))
-    common.hf_generate(hf_model, warm[0], 4)
+    engine.generate(warm[:1], common.sampling(4))
+    hf_padded_tokens(hf_model, warm, 4)
     hf_continuous_tokens(hf_model, warm, 4)
 
     rounds = []
     for r in range(args.repeats):  # fresh prompts each round: no prefix hit across rounds
         common.log(f"round {r + 1}/{args.repeats}")
-        rounds.append(one_round(engine, hf_model, prompts[2 * k * r : 2 * k * (r + 1)], n))
-    best = {label: max(rates[label] for rates, _ in rounds) for label in rounds[0][0]}
-    aggregate, serial = best["liubai concurrent"], best["liubai sequential"]
-    padded, continuous = best["transformers padded"], best["transformers generate_batch"]
-    completions = [c for _, round_completions in rounds for c in round_completions]
-    p50s = [
-        statistics.median(c.metrics.ttft_ms for c in round_completions) for _, round_completions in rounds
+        rounds.append(one_round(engine, hf_model, prompts[2 * k * r : 2 * k * (r + 1)], n, r))
+    per_round = [
+        {
+            "aggregate_tok_s": rates["liubai concurrent"],
+            "sequential_tok_s": rates["liubai sequential"],
+            "hf_padded_tok_s": rates["transformers padded"],
+            "hf_batch_tok_s": rates["transformers generate_batch"],
+            "speedup": rates["liubai concurrent"] / rates["liubai sequential"],
+            "aggregate_vs_hf_padded": rates["liubai concurrent"] / rates["transformers padded"],
+            "aggregate_vs_hf_batch": rates["liubai concurrent"] / rates["transformers generate_batch"],
+            "ttft_ms_p50": statistics.median(c.metrics.ttft_ms for c in completions),
+        }
+        for rates, completions in rounds
     ]
+    medians: dict[str, float | None] = {}
+    spread: dict[str, list[float] | None] = {}
+    for key in per_round[0]:
+        digits = 3 if "speedup" in key or "_vs_" in key else 1 if key == "ttft_ms_p50" else 2
+        medians[key], spread[key] = common.median_spread([r[key] for r in per_round], digits)
+    completions = [c for _, round_completions in rounds for c in round_completions]
     stats = engine.stats()
     result: dict[str, Any] = {
-        "aggregate_tok_s": round(aggregate, 2),
-        "sequential_tok_s": round(serial, 2),
-        "speedup": common.ratio(aggregate, serial),
-        "hf_padded_tok_s": round(padded, 2),
-        "hf_batch_tok_s": round(continuous, 2),
-        "ttft_ms_p50": round(min(p50s), 1),
-        "aggregate_vs_hf_padded": common.ratio(aggregate, padded),
-        "aggregate_vs_hf_batch": common.ratio(aggregate, continuous),
+        **medians,
+        "spread": spread,
         "num_cached_tokens": sum(c.metrics.num_cached_tokens for c in completions),
         "max_batch_size": stats.max_batch_size,
         "num_preemptions": stats.num_preemptions,
