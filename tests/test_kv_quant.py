@@ -143,8 +143,9 @@ def test_each_token_reads_earlier_blocks_quantized_and_its_own_block_exactly() -
 
     with torch.inference_mode():
         # A 6-token prompt: block 3 fills (quantized), block 5 stays open.
+        cache.begin_step(slots[:6])
         cache.write(0, slots[:6], keys[:, :6], values[:, :6])
-        k, v, mask = cache.read_span(0, object(), slots[:6], keys[:, :6], values[:, :6])
+        k, v, mask = cache.read_span(0, 0, slots[:6], keys[:, :6], values[:, :6])
         assert torch.equal(k[:, :4], int8_keys(keys[:, None, :4]))  # block 3 as stored
         assert torch.equal(k[:, 4:], keys[:, :6]) and torch.equal(v[:, 4:], values[:, :6])  # exact rows
         assert mask.tolist()[2] == [False] * 4 + [True, True, True, False, False, False]  # own block 0
@@ -154,6 +155,7 @@ def test_each_token_reads_earlier_blocks_quantized_and_its_own_block_exactly() -
 
         # Decode position 6, then 7, which fills block 5: both read block 5 exactly.
         for p in (6, 7):
+            cache.begin_step(slots[p : p + 1])
             cache.write(0, slots[p : p + 1], keys[:, p : p + 1], values[:, p : p + 1])
             k, v, mask = cache.read_decode(0, slots[None, : p + 1], None)  # (1, KVH, 8, D)
             assert torch.equal(k[0, :, :4], int8_keys(keys[:, None, :4]))
@@ -162,6 +164,7 @@ def test_each_token_reads_earlier_blocks_quantized_and_its_own_block_exactly() -
         cache.seal([5])
 
         # Position 8 opens block 2; block 5 is now read as stored, by anyone.
+        cache.begin_step(slots[8:])
         cache.write(0, slots[8:], keys[:, 8:], values[:, 8:])
         k, v, _ = cache.read_decode(0, slots[None], None)  # (1, KVH, 12, D)
         assert torch.equal(k[0, :, 4:8], int8_keys(keys[:, None, 4:8]))
@@ -169,7 +172,10 @@ def test_each_token_reads_earlier_blocks_quantized_and_its_own_block_exactly() -
         assert torch.equal(v[0, :, 4:8], expected_v)
         alone = k.clone()
 
-        # A padded batch reads each row as it is read alone.
+        # A padded batch reads each row as it is read alone (in a step of its own: a step's
+        # decode plan serves all of its layers). Position 8 is written again, unchanged.
+        cache.begin_step(slots[8:])
+        cache.write(0, slots[8:], keys[:, 8:], values[:, 8:])
         batch = torch.stack([slots, torch.tensor([8, 0, 0, 0, 0, 0, 0, 0, 0])])  # (2, 9)
         lengths = torch.tensor([9, 1])
         pad_mask = (torch.arange(9)[None, :] < lengths[:, None])[:, None, None, :]  # (2, 1, 1, 9)
@@ -182,6 +188,18 @@ def test_each_token_reads_earlier_blocks_quantized_and_its_own_block_exactly() -
         assert torch.isfinite(kb).all(), "padding reads block 0, which must hold finite values"
     cache.release([2])  # its request was preempted: the staging goes back
     assert cache.num_open_blocks == 0 and cache.staging_bytes > 0
+
+
+def test_a_quantized_write_needs_its_step_begun() -> None:
+    """The write plan is made by begin_step, once per step; writing without one is a bug."""
+    layout = KVLayout(1, 2, 8, torch.float32, block_size=4, k_dtype="int8")
+    cache = KVCache(layout, num_blocks=4, block_size=4, device=torch.device("cpu"))
+    rows = torch.randn(2, 3, 8)
+    with pytest.raises(RuntimeError, match="without a begin_step"):
+        cache.write(0, torch.tensor([4, 5, 6]), rows, rows)
+    cache.begin_step(torch.tensor([4, 5]))
+    with pytest.raises(RuntimeError, match="without a begin_step"):
+        cache.write(0, torch.tensor([4, 5, 6]), rows, rows)
 
 
 # --- the engine ------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ All scheduled tokens are packed into a single ``(1, T)`` row with explicit ``pos
 the attention hook learns where each sequence starts and ends from :class:`AttentionMetadata`.
 Logits are computed only at each sequence's last token, and only for sequences that reach
 the end of their known tokens in this step (a prefill chunk that stops mid-prompt samples
-nothing).
+nothing). Before the forward the runner tells the KV cache a step begins
+(:meth:`KVCache.begin_step`), so a quantized cache plans the step's writes once for every layer.
 """
 
 from dataclasses import dataclass
@@ -96,6 +97,7 @@ class ModelRunner:
         ids = torch.tensor([input_ids], device=self.device)  # (1, T)
         pos = torch.tensor([positions], device=self.device)  # (1, T)
         keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.kv_cache.begin_step(meta.slot_mapping)
         if self.lean_forward is not None:
             logits = self.lean_forward(ids[0], pos[0], meta, keep_index)  # (n, V)
         else:

@@ -10,12 +10,13 @@ sequence (one between steps). :meth:`KVCache.seal` and :meth:`KVCache.release` g
 A full-precision cache is read as it always was (:meth:`KVCache.gather`,
 :meth:`KVCache.gather_batch`). A quantized one is read through :meth:`KVCache.read_span` and
 :meth:`KVCache.read_decode`, which give each token its earlier blocks quantized and its own
-block exact (``runtime/kv/context.py``). The cache plans once per step which rows go to staging and
-which blocks get quantized, and once per span what it reads; every layer reuses the plans.
+block exact (``runtime/kv/context.py``). The model runner calls :meth:`KVCache.begin_step` once per
+step, before the forward: the cache plans there which rows go to staging and which blocks get
+quantized, and drops the previous step's read plans. It plans once per span (and once for the
+decode batch) what it reads; every layer reuses the plans.
 """
 
 import heapq
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -109,9 +110,11 @@ class KVCache:
         self._free_stages: list[int] = []  # a heap: the lowest stage first keeps staging compact
         self._num_stages = 0
         self._stage_index = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
-        self._plan_key: torch.Tensor | None = None  # the slot mapping the write plan was made for
+        # This step's plans (quantized only), made by begin_step and on a span's first read.
+        self._num_step_tokens = 0
         self._write_plan: WritePlan | None = None
-        self._read_plans: dict[int, tuple[object, SpanPlan | DecodePlan]] = {}  # id(owner) -> plan
+        self._span_plans: dict[int, SpanPlan] = {}  # a prefill span's first packed index -> plan
+        self._decode_plan: DecodePlan | None = None
 
     def _store(self, codec: Codec | None) -> Store:
         lay, n, bs = self.layout, self.num_blocks, self.block_size
@@ -154,17 +157,31 @@ class KVCache:
     def v_dtype(self) -> str:
         return dtype_name(self.layout.dtype) if self.layout.v_dtype == "auto" else self.layout.v_dtype
 
+    # -- the model runner's interface ---------------------------------------------------------
+
+    def begin_step(self, slot_mapping: torch.Tensor) -> None:
+        """Start a step that writes its tokens at ``slot_mapping`` (T,); called before the forward.
+
+        A quantized cache plans the step's writes here, once for every layer, and forgets the
+        previous step's read plans. A full-precision one needs no plans.
+        """
+        if not self.quantized:
+            return
+        self._clear_read_plans()
+        self._write_plan = self._plan_write(slot_mapping)
+        self._num_step_tokens = slot_mapping.shape[0]
+
     # -- the attention hook's interface -------------------------------------------------------
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store new keys/values (num_kv_heads, T, head_dim) at ``slot_mapping`` (T,)."""
         plan = None
         if self.quantized:
-            if slot_mapping is not self._plan_key:  # the first layer of a new step
-                self._write_plan = self._plan_write(slot_mapping)
-                self._plan_key = slot_mapping
-                self._read_plans.clear()
             plan = self._write_plan
+            if plan is None or slot_mapping.shape[0] != self._num_step_tokens:
+                raise RuntimeError(
+                    f"KVCache.write of {slot_mapping.shape[0]} tokens without a begin_step for them"
+                )
         self.key_store.write(layer, slot_mapping, key, plan)
         self.value_store.write(layer, slot_mapping, value, plan)
 
@@ -179,15 +196,18 @@ class KVCache:
         return self.key_store.gather_batch(layer, slots), self.value_store.gather_batch(layer, slots)
 
     def read_span(
-        self, layer: int, span: object, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        self, layer: int, span_start: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A prefill span's keys and values (KVH, L', D) and mask (q, L'), quantized cache only.
 
-        ``span`` names the span for this step (its plan serves every layer); ``slots`` (end,)
-        are its sequence's positions [0, end); ``key``/``value`` (KVH, q, D) its fresh rows.
+        ``span_start``, the span's first index in the packed step, names it within the step (its
+        plan serves every layer); ``slots`` (end,) are its sequence's positions [0, end);
+        ``key``/``value`` (KVH, q, D) its fresh rows.
         """
-        plan = self._plan(span, lambda: plan_span(slots, key.shape[1], self.block_size, self._stage_index))
-        assert isinstance(plan, SpanPlan)
+        plan = self._span_plans.get(span_start)
+        if plan is None:
+            plan = plan_span(slots, key.shape[1], self.block_size, self._stage_index)
+            self._span_plans[span_start] = plan
         k = assemble_span(self.key_store, layer, plan, key)
         v = assemble_span(self.value_store, layer, plan, value)
         return k, v, plan.mask
@@ -197,21 +217,19 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A decode batch's keys and values (B, KVH, L', D) and mask (B, 1, 1, L'), quantized only.
 
-        ``slots`` (B, L) and ``mask`` (B, 1, 1, L) or None describe the batch's padded contexts.
+        ``slots`` (B, L) and ``mask`` (B, 1, 1, L) or None describe the batch's padded contexts;
+        a step has one decode batch, so its plan serves every layer.
         """
-        plan = self._plan(slots, lambda: plan_decode(slots, mask, self.block_size, self._stage_index))
-        assert isinstance(plan, DecodePlan)
+        plan = self._decode_plan
+        if plan is None:
+            plan = self._decode_plan = plan_decode(slots, mask, self.block_size, self._stage_index)
         k = assemble_decode(self.key_store, layer, plan, self.layout.dtype)
         v = assemble_decode(self.value_store, layer, plan, self.layout.dtype)
         return k, v, plan.mask
 
-    def _plan(self, owner: object, make: Callable[[], SpanPlan | DecodePlan]) -> SpanPlan | DecodePlan:
-        cached = self._read_plans.get(id(owner))
-        if cached is not None and cached[0] is owner:  # every layer of a step reads the same spans
-            return cached[1]
-        plan = make()
-        self._read_plans[id(owner)] = (owner, plan)
-        return plan
+    def _clear_read_plans(self) -> None:
+        self._span_plans.clear()
+        self._decode_plan = None
 
     # -- the engine's interface ---------------------------------------------------------------
 
@@ -229,7 +247,7 @@ class KVCache:
             heapq.heappush(self._free_stages, self._stage_of.pop(block_id))
         if dropped:
             self._stage_index[torch.tensor(dropped, device=self.device)] = -1
-            self._read_plans.clear()
+            self._clear_read_plans()  # they point at the dropped stages
 
     # -- the write plan -----------------------------------------------------------------------
 

@@ -77,7 +77,7 @@ def paged_attention_forward(
             # Earlier blocks as stored, the span's own blocks exact (kv_context.py), for
             # cached and fresh spans alike: a token's numbers never depend on scheduling.
             slots = span.context_slots if span.context_slots is not None else meta.slot_mapping[s:e]
-            k, v, mask = cache.read_span(layer, span, slots, key[0, :, s:e], value[0, :, s:e])  # (KVH, L', D)
+            k, v, mask = cache.read_span(layer, s, slots, key[0, :, s:e], value[0, :, s:e])  # (KVH, L', D)
             o = F.scaled_dot_product_attention(
                 q, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=True
             )
