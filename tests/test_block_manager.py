@@ -104,3 +104,25 @@ def test_allocation_fails_cleanly_when_full() -> None:
     bm.admit(b, bm.find_cached_prefix(b))
     assert not bm.allocate_slots(b, 6)
     assert b.block_table == [] and bm.num_free_blocks == 0
+
+
+def test_reset_forgets_unreferenced_prefixes_and_keeps_the_free_order() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = seq(list(range(9)), "a")  # blocks 0, 1 full; 2 partial
+    b = seq(list(range(100, 109)), "b")  # blocks 3, 4 full; 5 partial
+    run_prefill(bm, a)
+    run_prefill(bm, b)
+    bm.free(a)
+    assert list(bm.free_queue) == [2, 6, 7, 1, 0]
+    assert bm.num_cached_free_blocks == 2
+
+    bm.reset_prefix_cache()
+    assert list(bm.free_queue) == [2, 6, 7, 1, 0], "the free blocks keep their order"
+    assert bm.num_cached_free_blocks == 0
+    assert all(bm.blocks[i].block_hash is None and bm.blocks[i].token_ids is None for i in (0, 1))
+    assert bm.cached_blocks == {b.block_hashes[0]: 3, b.block_hashes[1]: 4}, "b is running: it keeps its"
+    assert bm.find_cached_prefix(seq(list(range(9)), "a2")).block_ids == []
+    assert bm.find_cached_prefix(seq(list(range(100, 109)), "b2")).block_ids == [3, 4]
+    c = seq(list(range(200, 209)), "c")
+    run_prefill(bm, c)
+    assert c.block_table == [2, 6, 7]

@@ -371,13 +371,7 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (only unreferenced blocks; running requests keep theirs)."""
         with self._step_lock, self._state_lock:
-            bm = self.block_manager
-            for block_id in bm.free_queue:
-                block = bm.blocks[block_id]
-                if block.block_hash is not None:
-                    bm.cached_blocks.pop(block.block_hash, None)
-                    block.block_hash = None
-                    block.token_ids = None
+            self.block_manager.reset_prefix_cache()
 
 
 __all__ = ["Completion", "CompletionDelta", "Engine", "SequenceStatus"]

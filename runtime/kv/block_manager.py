@@ -99,6 +99,20 @@ class BlockManager:
             parent = block_hash
         return hit
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix held by an unreferenced block; referenced blocks keep theirs.
+
+        The forgotten blocks stay where they are in ``free_queue``: they now hold nothing
+        reusable, like the empty blocks before them, and are handed out in the same order.
+        """
+        for block_id in self.free_queue:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self.cached_blocks.get(block.block_hash) == block_id:
+                    del self.cached_blocks[block.block_hash]
+                block.block_hash = None
+                block.token_ids = None
+
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
