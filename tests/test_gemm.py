@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import Engine
-from runtime.layers import gemm
+from runtime.layers import gemm, llama_forward
 from runtime.layers.gemm import LINEAR, ROW_BUCKETS, GemmPlan, matmul, plan_for
 from tests.engine_helpers import GREEDY, NEW_TOKENS, PROMPTS, chat_ids, hf_greedy
 
@@ -79,12 +79,21 @@ def test_engine_rejects_an_unknown_gemm_option() -> None:
 
 
 @pytest.mark.model
-def test_weight_major_products_still_equal_generate(default_model_path: Path) -> None:
-    engine = Engine(default_model_path, kv_pool="32MiB", dtype="float32", device="cpu", gemm="torch")
+def test_weight_major_products_still_equal_generate(
+    default_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[bool] = []
+
+    def every_product_weight_major(weights: list[torch.Tensor], enabled: bool = True) -> GemmPlan:
+        asked.append(enabled)
+        return GemmPlan({(w.shape[0], w.shape[1]): (1, 2, 2, 4, 8, 16, 32) for w in weights})  # 3 rows: 2 + 1
+
+    monkeypatch.setattr(llama_forward, "plan_for", every_product_weight_major)
+    engine = Engine(default_model_path, kv_pool="32MiB", dtype="float32", device="cpu")
     lean = engine.runner.lean_forward
-    assert lean is not None and lean.gemm.chunks == {}
+    assert lean is not None and asked == [True]
     shapes = {(w.shape[0], w.shape[1]) for w in lean.matrices()}
-    lean.gemm = GemmPlan({s: (1, 2, 2, 4, 8, 16, 32) for s in shapes})  # 3 rows: 2 + 1
+    assert set(lean.gemm.chunks) == shapes
     prompts = [chat_ids(engine, p) for p in PROMPTS[:3]]
     reference = [hf_greedy(engine, ids, NEW_TOKENS, ignore_eos=True) for ids in prompts]
     assert engine.generate(prompts[0], GREEDY)[0].token_ids == reference[0]  # batch 1: one row padded to two

@@ -16,7 +16,6 @@ from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import Sequence
 from runtime.kv.cache import KVCache
 from runtime.layers.attention import METADATA_KWARG, AttentionMetadata, DecodeBatch, PrefillSpan
-from runtime.layers.gemm import plan_for
 from runtime.layers.llama_forward import LlamaFamilyForward, supports
 
 
@@ -37,9 +36,9 @@ class ModelRunner:
     ) -> None:
         self.model = model
         # The lean forward where it reproduces the model exactly; transformers' own otherwise.
-        self.lean_forward = LlamaFamilyForward(model) if forward == "auto" and supports(model) else None
-        if self.lean_forward is not None:
-            self.lean_forward.gemm = plan_for(self.lean_forward.matrices(), enabled=gemm == "auto")
+        self.lean_forward: LlamaFamilyForward | None = None
+        if forward == "auto" and supports(model):
+            self.lean_forward = LlamaFamilyForward(model, tune_gemm=gemm == "auto")
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.layers.attention import METADATA_KWARG, AttentionMetadata, paged_attention_forward
-from runtime.layers.gemm import LINEAR, GemmPlan, Shape, matmul
+from runtime.layers.gemm import LINEAR, Shape, matmul, plan_for
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 
@@ -81,9 +81,13 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
 
 
 class LlamaFamilyForward:
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, tune_gemm: bool = True) -> None:
+        """Fuse ``model``'s projections; with ``tune_gemm``, plan each product's form for them.
+
+        The plan is made here, not passed in, because it is timed on the fused weights this
+        constructor builds. Without ``tune_gemm`` every product is ``F.linear``.
+        """
         config = model.config
-        self.gemm = GemmPlan()  # F.linear throughout until the runner times a plan for matrices()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -116,6 +120,7 @@ class LlamaFamilyForward:
                 )
             )
         self.scaling = model.model.layers[0].self_attn.scaling
+        self.gemm = plan_for(self.matrices(), enabled=tune_gemm)
 
     def matrices(self) -> list[torch.Tensor]:
         """Every weight this forward multiplies by, for the GEMM plan to time."""
