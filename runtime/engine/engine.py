@@ -163,9 +163,6 @@ class Engine:
             self.scheduler.finish(seq, "abort")
             self._deliver(seq, [], final=True)
 
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
-
     # -- stepping -----------------------------------------------------------------------------
 
     def step(self) -> list[CompletionDelta]:
