@@ -331,10 +331,6 @@ class Store:
         with self._writing("write"):
             self._table("messages").update(message_id, changes)
 
-    def set_messages_state(self, message_ids: Sequence[int], state: str) -> None:
-        with self._writing("write"):
-            self._set_state(message_ids, state)
-
     def _set_state(self, message_ids: Sequence[int], state: str) -> None:
         assert state in MESSAGE_STATES, state
         for message_id in message_ids:
