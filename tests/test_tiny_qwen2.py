@@ -100,3 +100,25 @@ def test_pool_errors_are_clear(tiny_qwen2_path: Path) -> None:
         small.generate(list(range(3, 100)), SamplingParams(max_tokens=1))
     result = small.generate(list(range(3, 40)), SamplingParams(max_tokens=100, ignore_eos=True))[0]
     assert result.finish_reason == "length" and len(result.token_ids) == 65 - 37
+
+
+def test_a_last_prompt_token_computed_alone_is_counted_as_prefilled(
+    qwen2: Engine, tiny_qwen2_path: Path
+) -> None:
+    """Regression: ``Sequence.is_prefill`` turned false as soon as only the last prompt token
+    lacked KV, so a step computing that token alone (after a block-aligned cached prefix, or as a
+    one-token last chunk) was counted as a decode step, and ``num_prefilled_tokens``, with the
+    prefill speed, cost and logs built on it, came out one short."""
+    ids = prompts()[2][:33]  # two full blocks of 16, and one token
+    qwen2.reset_prefix_cache()
+    cold = qwen2.generate(ids, SamplingParams(max_tokens=1))[0]
+    assert (cold.metrics.num_cached_tokens, cold.metrics.num_prefilled_tokens) == (0, 33)
+    warm = qwen2.generate(ids, SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert (warm.metrics.num_cached_tokens, warm.metrics.num_prefilled_tokens) == (32, 1)
+
+    chunked = Engine(
+        tiny_qwen2_path, kv_pool="4MiB", max_num_batched_tokens=16, enable_prefix_caching=False, device="cpu"
+    )
+    for n in (17, 33):  # chunks of 16 + 1 and 16 + 16 + 1
+        result = chunked.generate(ids[:n], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+        assert (result.metrics.num_cached_tokens, result.metrics.num_prefilled_tokens) == (0, n)

@@ -62,8 +62,10 @@ class Sequence:
 
     @property
     def is_prefill(self) -> bool:
-        """True while tokens before the last one still lack KV (prompt, or recompute after preemption)."""
-        return self.num_computed_tokens < len(self.token_ids) - 1
+        """True while the prompt lacks KV (its last token included) or, after a preemption, tokens
+        before the last one do (the recompute); false only for decode, which computes the last
+        token alone once it was sampled."""
+        return self.num_computed_tokens < max(self.num_prompt_tokens, len(self.token_ids) - 1)
 
     def append_token(self, token_id: int, now: float) -> None:
         self.token_ids.append(token_id)
