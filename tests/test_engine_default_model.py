@@ -141,9 +141,21 @@ def test_stop_string_ends_the_reply_before_it(engine: Engine, prompt_ids, refere
     assert streamed == result.text
 
 
-def test_all_blocks_return_after_requests_finish(engine: Engine) -> None:
-    stats = engine.stats()
-    assert stats.num_blocks_used == 0
+def test_all_blocks_return_after_requests_finish(default_model_path: Path) -> None:
+    """On an engine of its own that runs its own requests, so it holds alone and in any order
+    (on the shared engine it only checked what earlier tests happened to leave)."""
+    own = Engine(default_model_path, kv_pool="16MiB", dtype="float32", device="cpu")
+    ids = [chat_ids(own, p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    own.generate(ids, params)
+    abandoned = own.stream(ids[0], params)
+    next(abandoned)
+    next(abandoned)
+    assert own.stats().num_blocks_used > 0 and own.stats().num_running == 1
+    abandoned.close()  # the request is aborted
+    stats = own.stats()
+    assert stats.num_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+    assert stats.num_blocks_cached > 0, "finished requests' full blocks stay in the prefix cache"
     assert stats.num_blocks_cached + stats.num_blocks_free == stats.num_blocks_total
     assert stats.kv_tokens_in_use == 0
     assert stats.bytes_per_token == 2 * 30 * 3 * 64 * 4
