@@ -22,10 +22,11 @@ from typing import Any
 
 from memory.budget import Budget, BudgetSpec
 from memory.chat_render import renderer_for
-from memory.compaction import CompactionEvent, Summarizer, elapsed_ms
+from memory.compaction import CompactionEvent, elapsed_ms
 from memory.errors import BudgetError, StoreError
 from memory.recall import Recall, recall_for
 from memory.store import MessageRecord, SearchHit, SessionRecord, Store
+from memory.summarizer import Summarizer
 from runtime.backends.backend import Backend, ChatPrompt
 from runtime.engine.metrics import RequestMetrics
 
