@@ -106,12 +106,7 @@ class BlockManager:
         reusable, like the empty blocks before them, and are handed out in the same order.
         """
         for block_id in self.free_queue:
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                if self.cached_blocks.get(block.block_hash) == block_id:
-                    del self.cached_blocks[block.block_hash]
-                block.block_hash = None
-                block.token_ids = None
+            self._forget_prefix(block_id)
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
@@ -153,14 +148,17 @@ class BlockManager:
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
+        self._forget_prefix(block_id)
+        self.blocks[block_id].ref_cnt = 1
+        return block_id
+
+    def _forget_prefix(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) == block_id:
                 del self.cached_blocks[block.block_hash]
             block.block_hash = None
             block.token_ids = None
-        block.ref_cnt = 1
-        return block_id
 
     def seal_full_blocks(self, seq: Sequence) -> list[int]:
         """Hash and cache every block of ``seq`` that became full; return the newly sealed ids."""
