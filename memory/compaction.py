@@ -1,7 +1,9 @@
 """One compaction: what left the live context, what replaced it, and what it cost.
 
 The context manager builds a ``CompactionEvent`` when old turns leave the live context (their
-summary written by ``memory/summarizer.py``); the agent's event stream carries its ``to_dict()``.
+summary written by ``memory/summarizer.py``); the store records it, in one transaction, before
+the live context changes; the agent's event stream carries its ``to_dict()``, whose keys the
+logs, the TUI and headless JSON read.
 """
 
 import time
@@ -9,25 +11,37 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CompactionEvent:
-    """One compaction, as the agent's event stream and the TUI see it."""
+    """One compaction: built by the context manager, recorded by the store, seen by the TUI."""
 
+    session_id: str
     trigger: str  # auto / manual / clear
     focus: str | None
-    first_turn: int
-    last_turn: int
+    turns: list[int]  # the user turns that left the live context, in order (never empty)
     tokens_before: int
     tokens_after: int
-    summarized_ids: list[int]
-    evicted_ids: list[int]
-    summary_tokens: int
-    summary_depth: int
-    num_requests: int
+    summarized_ids: list[int]  # folded into the new summary
+    evicted_ids: list[int]  # dropped without summarizing: recall notes, and everything on clear
+    summary_text: str | None  # the new summary; None when there is none (clear)
+    summary_message_ids: list[int] = field(default_factory=list)  # all the new summary covers
+    summary_tokens: int = 0
+    summary_depth: int = 0
+    previous_summary_id: int | None = None
+    window_start: int  # seq where the recent section starts afterwards
+    num_requests: int = 0  # summarization requests it made
     duration_ms: float
+    # Given by the store when it records the compaction (``Store.record_compaction``).
     compaction_id: int = 0
-    summary_id: int | None = None
-    turns: list[int] = field(default_factory=list)
+    summary_id: int | None = None  # the session's summary afterwards
+
+    @property
+    def first_turn(self) -> int:
+        return self.turns[0]
+
+    @property
+    def last_turn(self) -> int:
+        return self.turns[-1]
 
     def describe(self) -> str:
         span = (

@@ -304,28 +304,22 @@ class ContextManager:
         before = self.context_tokens()
         ids = [m.id for m in live]
         next_seq = max((m.seq for m in self._messages), default=0) + 1
-        summary_id, compaction_id = self.store.record_compaction(
-            self.session.id,
-            trigger="clear",
-            focus=None,
-            tokens_before=before,
-            tokens_after=self._tokens_without(set(ids), None),
-            summarized_ids=[],
-            evicted_ids=ids,
-            summary_text=None,
-            summary_message_ids=[],
-            summary_tokens=0,
-            summary_depth=0,
-            previous_summary_id=None,
-            window_start=next_seq,
-            duration_ms=elapsed_ms(start),
+        event = self.store.record_compaction(
+            CompactionEvent(
+                session_id=self.session.id,
+                trigger="clear",
+                focus=None,
+                turns=sorted({m.turn for m in live}) or [self.current_turn],
+                tokens_before=before,
+                tokens_after=self._tokens_without(set(ids), None),
+                summarized_ids=[],
+                evicted_ids=ids,
+                summary_text=None,
+                window_start=next_seq,
+                duration_ms=elapsed_ms(start),
+            )
         )
-        self._apply(set(), set(ids), None, None, next_seq)
-        turns = sorted({m.turn for m in live}) or [self.current_turn]
-        event = CompactionEvent(
-            "clear", None, turns[0], turns[-1], before, self.context_tokens(), [], ids, 0, 0, 0,
-            elapsed_ms(start), compaction_id, summary_id, turns,
-        )  # fmt: skip
+        self._apply(set(), set(ids), None, event.summary_id, next_seq)
         self._emit(event)
         return event
 
@@ -469,29 +463,27 @@ class ContextManager:
         summarized_ids = {m.id for m in to_summarize}
         evicted_ids = {m.id for m in evicted}
         after = self._tokens_without(summarized_ids | evicted_ids, result.text)
-        summary_tokens = self.renderer.count("system", SUMMARY_HEADER + result.text)
-        duration = elapsed_ms(start)
-        summary_id, compaction_id = self.store.record_compaction(
-            self.session.id,
-            trigger=trigger,
-            focus=focus,
-            tokens_before=before,
-            tokens_after=after,
-            summarized_ids=sorted(summarized_ids),
-            evicted_ids=sorted(evicted_ids),
-            summary_text=result.text,
-            summary_message_ids=covered,
-            summary_tokens=summary_tokens,
-            summary_depth=result.depth,
-            previous_summary_id=self.session.summary_id,
-            window_start=window_start,
-            duration_ms=duration,
+        event = self.store.record_compaction(
+            CompactionEvent(
+                session_id=self.session.id,
+                trigger=trigger,
+                focus=focus,
+                turns=turns,
+                tokens_before=before,
+                tokens_after=after,
+                summarized_ids=sorted(summarized_ids),
+                evicted_ids=sorted(evicted_ids),
+                summary_text=result.text,
+                summary_message_ids=covered,
+                summary_tokens=self.renderer.count("system", SUMMARY_HEADER + result.text),
+                summary_depth=result.depth,
+                previous_summary_id=self.session.summary_id,
+                window_start=window_start,
+                num_requests=result.num_requests,
+                duration_ms=elapsed_ms(start),
+            )
         )
-        self._apply(summarized_ids, evicted_ids, result.text, summary_id, window_start)
-        event = CompactionEvent(
-            trigger, focus, turns[0], turns[-1], before, after, sorted(summarized_ids), sorted(evicted_ids),
-            summary_tokens, result.depth, result.num_requests, duration, compaction_id, summary_id, turns,
-        )  # fmt: skip
+        self._apply(summarized_ids, evicted_ids, result.text, event.summary_id, window_start)
         self._emit(event)
         return event
 

@@ -14,13 +14,14 @@ import sqlite3
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import sqlite_utils
 
+from memory.compaction import CompactionEvent
 from memory.errors import SessionNotFoundError, StoreError
 from memory.migrations import MIGRATIONS
 from runtime.paths import data_dir
@@ -376,44 +377,30 @@ class Store:
 
     # -- summaries and compactions ------------------------------------------------------------
 
-    def record_compaction(
-        self,
-        session_id: str,
-        *,
-        trigger: str,
-        focus: str | None,
-        tokens_before: int,
-        tokens_after: int,
-        summarized_ids: Sequence[int],
-        evicted_ids: Sequence[int],
-        summary_text: str | None,
-        summary_message_ids: Sequence[int],
-        summary_tokens: int,
-        summary_depth: int,
-        previous_summary_id: int | None,
-        window_start: int,
-        duration_ms: float,
-    ) -> tuple[int | None, int]:
+    def record_compaction(self, compaction: CompactionEvent) -> CompactionEvent:
         """Write a compaction in one transaction: summary, record, message states, session front.
 
-        Returns ``(summary_id, compaction_id)``. The live context may change only after this
-        returns: if it raises, nothing was written and nothing was dropped.
+        Returns the compaction with the ids the store gave it (``compaction_id``, and
+        ``summary_id``: the new summary's, or the previous one when there is no new summary).
+        The live context may change only after this returns: if it raises, nothing was written
+        and nothing was dropped.
         """
+        c = compaction
         stamp = now_iso()
         with self._writing("write"):
-            summary_id = previous_summary_id
-            if summary_text is not None:
+            summary_id = c.previous_summary_id
+            if c.summary_text is not None:
                 summary_id = (
                     self._table("summaries")
                     .insert(
                         {
-                            "session_id": session_id,
+                            "session_id": c.session_id,
                             "created": stamp,
-                            "text": summary_text,
-                            "message_ids": json.dumps(list(summary_message_ids)),
-                            "token_count": summary_tokens,
-                            "previous_id": previous_summary_id,
-                            "depth": summary_depth,
+                            "text": c.summary_text,
+                            "message_ids": json.dumps(list(c.summary_message_ids)),
+                            "token_count": c.summary_tokens,
+                            "previous_id": c.previous_summary_id,
+                            "depth": c.summary_depth,
                         }
                     )
                     .last_pk
@@ -422,25 +409,25 @@ class Store:
                 self._table("compactions")
                 .insert(
                     {
-                        "session_id": session_id,
+                        "session_id": c.session_id,
                         "created": stamp,
-                        "trigger": trigger,
-                        "focus": focus,
-                        "tokens_before": tokens_before,
-                        "tokens_after": tokens_after,
-                        "dropped_ids": json.dumps([*summarized_ids, *evicted_ids]),
+                        "trigger": c.trigger,
+                        "focus": c.focus,
+                        "tokens_before": c.tokens_before,
+                        "tokens_after": c.tokens_after,
+                        "dropped_ids": json.dumps([*c.summarized_ids, *c.evicted_ids]),
                         "summary_id": summary_id,
-                        "duration_ms": duration_ms,
+                        "duration_ms": c.duration_ms,
                     }
                 )
                 .last_pk
             )
-            self._set_state(summarized_ids, "summarized")
-            self._set_state(evicted_ids, "evicted")
+            self._set_state(c.summarized_ids, "summarized")
+            self._set_state(c.evicted_ids, "evicted")
             self._table("sessions").update(
-                session_id, {"summary_id": summary_id, "window_start": window_start, "updated": stamp}
+                c.session_id, {"summary_id": summary_id, "window_start": c.window_start, "updated": stamp}
             )
-        return summary_id, int(compaction_id or 0)
+        return replace(compaction, compaction_id=int(compaction_id or 0), summary_id=summary_id)
 
     def get_summary(self, summary_id: int) -> SummaryRecord:
         rows = self._query("select * from summaries where id = ?", [summary_id])

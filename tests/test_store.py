@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from memory import Store, StoreError
+from memory import CompactionEvent, Store, StoreError
 from memory.migrations import MIGRATIONS
 from memory.store import SessionRecord
 
@@ -124,11 +124,11 @@ def test_locked_database_gives_a_clear_error_and_loses_nothing(tmp_path: Path) -
         with pytest.raises(StoreError, match="locked by another process"):
             store.add_message(session.id, role="assistant", content="lost?", token_count=3, turn=1)
         with pytest.raises(StoreError, match="locked"):
-            store.record_compaction(
-                session.id, trigger="manual", focus=None, tokens_before=10, tokens_after=5,
-                summarized_ids=[first.id], evicted_ids=[], summary_text="s", summary_message_ids=[first.id],
-                summary_tokens=2, summary_depth=0, previous_summary_id=None, window_start=2, duration_ms=1.0,
-            )  # fmt: skip
+            store.record_compaction(CompactionEvent(
+                session_id=session.id, trigger="manual", focus=None, turns=[1], tokens_before=10,
+                tokens_after=5, summarized_ids=[first.id], evicted_ids=[], summary_text="s",
+                summary_message_ids=[first.id], summary_tokens=2, window_start=2, duration_ms=1.0,
+            ))  # fmt: skip
     finally:
         other.execute("ROLLBACK")
         other.close()
@@ -170,18 +170,20 @@ def test_compaction_is_written_in_one_transaction(tmp_path: Path) -> None:
         for role in ("user", "assistant")
     ]
     note = store.add_message(session.id, role="system", content="note", token_count=2, turn=2, kind="recall")
-    summary_id, compaction_id = store.record_compaction(
-        session.id, trigger="auto", focus="names", tokens_before=40, tokens_after=20,
-        summarized_ids=ids[:2], evicted_ids=[note.id], summary_text="turn 1 happened",
-        summary_message_ids=ids[:2], summary_tokens=6, summary_depth=0, previous_summary_id=None,
-        window_start=3, duration_ms=12.5,
+    compaction = CompactionEvent(
+        session_id=session.id, trigger="auto", focus="names", turns=[1, 2], tokens_before=40,
+        tokens_after=20, summarized_ids=ids[:2], evicted_ids=[note.id], summary_text="turn 1 happened",
+        summary_message_ids=ids[:2], summary_tokens=6, window_start=3, duration_ms=12.5,
     )  # fmt: skip
-    assert summary_id is not None and compaction_id > 0
+    recorded = store.record_compaction(compaction)
+    summary_id = recorded.summary_id
+    assert summary_id is not None and recorded.compaction_id > 0
     states = {m.id: m.state for m in store.messages(session.id)}
     assert [states[i] for i in ids] == ["summarized", "summarized", "live", "live"]
     assert states[note.id] == "evicted"
-    (compaction,) = store.compactions(session.id)
-    assert compaction.dropped_ids == [*ids[:2], note.id] and compaction.focus == "names"
+    (record,) = store.compactions(session.id)
+    assert record.id == recorded.compaction_id and record.summary_id == summary_id
+    assert record.dropped_ids == [*ids[:2], note.id] and record.focus == "names"
     assert store.get_summary(summary_id).message_ids == ids[:2]
     refreshed = store.get_session(session.id)
     assert refreshed.summary_id == summary_id and refreshed.window_start == 3
