@@ -9,7 +9,8 @@ from memory.budget import Budget, BudgetSpec
 from memory.compaction import CompactionEvent
 from memory.context_manager import BuiltPrompt, ContextManager, TurnInfo
 from memory.errors import BudgetError, MemoryLayerError, SessionNotFoundError, StoreError
-from memory.store import MessageRecord, SearchHit, SessionRecord, Store, default_db_path
+from memory.records import MessageRecord, SearchHit, SessionRecord
+from memory.store import Store, default_db_path
 
 __all__ = [
     "Budget",

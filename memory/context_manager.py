@@ -25,7 +25,8 @@ from memory.chat_render import renderer_for
 from memory.compaction import CompactionEvent, elapsed_ms
 from memory.errors import BudgetError, StoreError
 from memory.recall import Recall, recall_for
-from memory.store import MessageRecord, SearchHit, SessionRecord, Store
+from memory.records import MessageRecord, SearchHit, SessionRecord
+from memory.store import Store
 from memory.summarizer import Summarizer
 from runtime.backends.backend import Backend, ChatPrompt
 from runtime.engine.metrics import RequestMetrics

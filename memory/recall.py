@@ -15,7 +15,8 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from memory.store import SearchHit, Store
+from memory.records import SearchHit
+from memory.store import Store
 
 # Words that match everywhere and so rank nothing.
 STOPWORDS = frozenset(

@@ -5,6 +5,8 @@ file) and applies the numbered migrations of ``memory/migrations.py`` when it op
 that belong together (a compaction: its summary, its record and the state of every message it
 dropped) happen in one transaction, so a crash leaves either all of it or none.
 
+The rows it reads come back as the values of ``memory/records.py``.
+
 SQLite's own failures become :class:`StoreError` with one readable line: a locked database, a
 file that is not a database, a directory that cannot be written, a schema from a newer liubai.
 """
@@ -14,7 +16,7 @@ import sqlite3
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,11 +26,19 @@ import sqlite_utils
 from memory.compaction import CompactionEvent
 from memory.errors import SessionNotFoundError, StoreError
 from memory.migrations import MIGRATIONS
+from memory.records import (
+    MESSAGE_STATES,
+    CompactionRecord,
+    MessageRecord,
+    SearchHit,
+    SessionRecord,
+    SummaryRecord,
+    from_row,
+)
 from runtime.paths import data_dir
 
 DB_FILENAME = "liubai.db"
 BUSY_TIMEOUT_MS = 5000
-MESSAGE_STATES = ("live", "summarized", "evicted")
 
 
 def default_db_path() -> Path:
@@ -39,98 +49,9 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
-@dataclass(slots=True)
-class SessionRecord:
-    id: str
-    created: str
-    updated: str
-    model: str
-    backend: str
-    system: str
-    budget_spec: str
-    budget_tokens: int
-    bytes_per_token: int | None
-    k_dtype: str | None
-    v_dtype: str | None
-    high_watermark: float
-    low_watermark: float
-    reserve_tokens: int
-    summary_id: int | None
-    window_start: int
-    title: str | None
-    token_source: str | None = None  # tokenizer / tiktoken / estimate
-
-
-@dataclass(slots=True)
-class MessageRecord:
-    id: int
-    session_id: str
-    seq: int
-    turn: int
-    role: str
-    kind: str
-    content: str
-    token_count: int
-    state: str
-    pinned: bool
-    interrupted: bool
-    created: str
-
-
-@dataclass(slots=True)
-class SummaryRecord:
-    id: int
-    session_id: str
-    created: str
-    text: str
-    message_ids: list[int]
-    token_count: int
-    previous_id: int | None
-    depth: int
-
-
-@dataclass(slots=True)
-class CompactionRecord:
-    id: int
-    session_id: str
-    created: str
-    trigger: str
-    focus: str | None
-    tokens_before: int
-    tokens_after: int
-    dropped_ids: list[int]
-    summary_id: int | None
-    duration_ms: float
-
-
-@dataclass(slots=True)
-class SearchHit:
-    message_id: int
-    turn: int
-    role: str
-    content: str
-    state: str
-    rank: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
 def _phrase(term: str) -> str:
     """A term as one quoted FTS5 phrase, whatever characters it holds."""
     return '"' + term.replace('"', "") + '"'
-
-
-def _record(cls: type, row: dict[str, Any]) -> Any:
-    values = {}
-    for f in fields(cls):
-        value = row.get(f.name)
-        if f.name in ("pinned", "interrupted"):
-            value = bool(value)
-        elif f.name in ("message_ids", "dropped_ids"):
-            value = json.loads(value or "[]")
-        values[f.name] = value
-    return cls(**values)
 
 
 class Store:
@@ -268,13 +189,13 @@ class Store:
         }
         with self._writing("write"):
             self._table("sessions").insert(row)
-        return _record(SessionRecord, row)  # type: ignore[no-any-return]
+        return from_row(SessionRecord, row)  # type: ignore[no-any-return]
 
     def get_session(self, session_id: str) -> SessionRecord:
         rows = self._query("select * from sessions where id = ?", [session_id])
         if not rows:
             raise SessionNotFoundError(f"no session {session_id!r} in {self.path}")
-        return _record(SessionRecord, rows[0])  # type: ignore[no-any-return]
+        return from_row(SessionRecord, rows[0])  # type: ignore[no-any-return]
 
     def update_session(self, session_id: str, **changes: Any) -> None:
         changes["updated"] = now_iso()
@@ -282,7 +203,7 @@ class Store:
             self._table("sessions").update(session_id, changes)
 
     def list_sessions(self) -> list[SessionRecord]:
-        return [_record(SessionRecord, r) for r in self._query("select * from sessions order by created")]
+        return [from_row(SessionRecord, r) for r in self._query("select * from sessions order by created")]
 
     # -- messages -----------------------------------------------------------------------------
 
@@ -318,7 +239,7 @@ class Store:
             }
             row["id"] = self._table("messages").insert(row).last_pk
             self.db.execute("update sessions set updated = ? where id = ?", [row["created"], session_id])
-        return _record(MessageRecord, row)  # type: ignore[no-any-return]
+        return from_row(MessageRecord, row)  # type: ignore[no-any-return]
 
     def messages(self, session_id: str, states: Sequence[str] | None = None) -> list[MessageRecord]:
         sql = "select * from messages where session_id = ?"
@@ -326,7 +247,7 @@ class Store:
         if states is not None:
             sql += f" and state in ({', '.join('?' for _ in states)})"
             params.extend(states)
-        return [_record(MessageRecord, r) for r in self._query(sql + " order by seq", params)]
+        return [from_row(MessageRecord, r) for r in self._query(sql + " order by seq", params)]
 
     def set_message(self, message_id: int, **changes: Any) -> None:
         with self._writing("write"):
@@ -433,15 +354,15 @@ class Store:
         rows = self._query("select * from summaries where id = ?", [summary_id])
         if not rows:
             raise StoreError(f"summary {summary_id} is missing from {self.path}")
-        return _record(SummaryRecord, rows[0])  # type: ignore[no-any-return]
+        return from_row(SummaryRecord, rows[0])  # type: ignore[no-any-return]
 
     def summaries(self, session_id: str) -> list[SummaryRecord]:
         rows = self._query("select * from summaries where session_id = ? order by id", [session_id])
-        return [_record(SummaryRecord, r) for r in rows]
+        return [from_row(SummaryRecord, r) for r in rows]
 
     def compactions(self, session_id: str) -> list[CompactionRecord]:
         rows = self._query("select * from compactions where session_id = ? order by id", [session_id])
-        return [_record(CompactionRecord, r) for r in rows]
+        return [from_row(CompactionRecord, r) for r in rows]
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -455,3 +376,14 @@ class Store:
         if session_id is None:
             return self._query("select * from requests order by id")
         return self._query("select * from requests where session_id = ? order by id", [session_id])
+
+
+__all__ = [
+    "CompactionRecord",
+    "MessageRecord",
+    "SearchHit",
+    "SessionRecord",
+    "Store",
+    "SummaryRecord",
+    "default_db_path",
+]

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from memory.chat_render import Renderer
-from memory.store import MessageRecord
+from memory.records import MessageRecord
 from runtime.backends.backend import Backend, ChatPrompt
 from runtime.engine.metrics import RequestMetrics
 from runtime.engine.sampling import SamplingParams
