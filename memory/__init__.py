@@ -7,10 +7,12 @@ message, summary, compaction and request in SQLite.
 
 from memory.budget import Budget, BudgetSpec
 from memory.compaction import CompactionEvent
-from memory.context_manager import BuiltPrompt, ContextManager, TurnInfo
+from memory.context_manager import ContextManager
 from memory.errors import BudgetError, MemoryLayerError, SessionNotFoundError, StoreError
+from memory.prompt_layout import BuiltPrompt
 from memory.records import MessageRecord, SearchHit, SessionRecord
 from memory.store import Store, default_db_path
+from memory.turn_map import TurnInfo
 
 __all__ = [
     "Budget",

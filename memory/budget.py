@@ -110,6 +110,42 @@ class Budget:
     def num_bytes(self) -> int | None:
         return None if self.bytes_per_token is None else self.tokens * self.bytes_per_token
 
+    def respec(
+        self, spec: str | int | BudgetSpec, bytes_per_token: int | None, max_context_tokens: int | None
+    ) -> "Budget":
+        """The budget ``spec`` describes, with this one's watermarks, reserve and shares."""
+        return Budget.from_spec(
+            spec,
+            bytes_per_token,
+            max_context_tokens,
+            high_watermark=self.high_watermark,
+            low_watermark=self.low_watermark,
+            reserve_tokens=self.reserve_tokens,
+            recall_share=self.recall_share,
+            summary_share=self.summary_share,
+        )
+
+    def check_fits(self, fixed_tokens: int) -> None:
+        """Refuse a budget that cannot hold ``fixed_tokens`` (the system prompt and the generation
+        prompt, which no compaction removes) plus the reply reserve."""
+        need = fixed_tokens + self.reserve_tokens
+        if need > self.tokens:
+            raise BudgetError(
+                f"the KV budget {self.spec.text} ({self.tokens:,} tokens) is smaller than the system "
+                f"prompt ({fixed_tokens:,} tokens) plus the reply reserve ({self.reserve_tokens:,}); "
+                f"raise it to at least {need:,}tok"
+            )
+
+    def check_prompt_fits(self, num_tokens: int) -> None:
+        """Refuse a prompt of ``num_tokens`` that leaves no room for one generated token; raised
+        only for what no compaction can shrink (the turn being answered and the pinned turns)."""
+        if num_tokens >= self.tokens:
+            raise BudgetError(
+                f"the prompt needs {num_tokens:,} tokens but the KV budget holds {self.tokens:,} "
+                f"({self.spec.text}); the current turn and the pinned turns alone do not fit — "
+                "raise the budget or unpin turns"
+            )
+
     def describe(self) -> str:
         text = f"{self.tokens:,} tokens"
         if self.bytes_per_token is not None:

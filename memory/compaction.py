@@ -1,9 +1,9 @@
 """One compaction: what left the live context, what replaced it, and what it cost.
 
-The context manager builds a ``CompactionEvent`` when old turns leave the live context (their
-summary written by ``memory/summarizer.py``); the store records it, in one transaction, before
-the live context changes; the agent's event stream carries its ``to_dict()``, whose keys the
-logs, the TUI and headless JSON read.
+The context manager builds a ``CompactionEvent`` when old turns leave the live context (which
+turns: ``memory/eviction.py``; their summary: ``memory/summarizer.py``); the store records it,
+in one transaction, before the live context changes; the agent's event stream carries its
+``to_dict()``, whose keys the logs, the TUI and headless JSON read.
 """
 
 import time

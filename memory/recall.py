@@ -12,10 +12,10 @@ and so invalidate the prefix cache for all of them on every request.
 
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from memory.records import SearchHit
+from memory.records import MessageRecord, SearchHit
 from memory.store import Store
 
 # Words that match everywhere and so rank nothing.
@@ -135,3 +135,32 @@ def recall_for(
     if not chosen:
         return None
     return Recall(chosen, render_note(chosen), turn)
+
+
+def recall_for_new_message(
+    store: Store,
+    session_id: str,
+    system: str,
+    messages: Sequence[MessageRecord],
+    max_tokens: int,
+    count_tokens: Callable[[str], int],
+) -> Recall | None:
+    """What :func:`recall_for` finds for the session's new, not yet recalled-for user message
+    (None when the last message is not one); nothing is written."""
+    chat = [m for m in messages if m.kind == "chat"]
+    if not chat or chat[-1].role != "user" or chat[-1].state != "live":
+        return None
+    new = chat[-1]
+    if any(m.kind == "recall" and m.turn == new.turn for m in messages):
+        return None  # already recalled (a tool round of the same turn)
+    live = [m for m in messages if m.state == "live" and m.id != new.id]
+    return recall_for(
+        store,
+        session_id,
+        new.content,
+        new.turn,
+        max_tokens,
+        count_tokens,
+        [m.content for m in live if m.kind == "recall"],
+        live_texts=[system, *(m.content for m in live if m.kind == "chat")],
+    )

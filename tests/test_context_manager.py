@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from memory import BudgetError, CompactionEvent, ContextManager, Store, StoreError
-from memory.context_manager import SUMMARY_HEADER
+from memory.prompt_layout import SUMMARY_HEADER
 from runtime import Engine, SamplingParams
 from runtime.backends.backend import ChatPrompt, LocalBackend
 from runtime.engine.engine import CompletionDelta
