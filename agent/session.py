@@ -111,12 +111,12 @@ class AgentSession:
     """A conversation driven through a backend, remembered by a context manager."""
 
     def __init__(
-        self, backend: Backend, context: ContextManager, config: AgentConfig, prices: PriceTable | None = None
+        self, backend: Backend, store: Store, config: AgentConfig, session_id: str | None = None
     ) -> None:
+        """A new session, or the stored one with ``session_id`` resumed."""
         self.backend = backend
-        self.context = context
         self.config = config
-        self.prices = prices or PriceTable()
+        self.prices = build_prices(config, backend.model_name)
         self.tools: ToolRegistry | None = None
         if config.tools:
             permissions = ToolPermissions.parse(
@@ -125,9 +125,8 @@ class AgentSession:
             self.tools = ToolRegistry(permissions, recall=self._recall_tool)
         self._sink: EventSink | None = None
         self._turn: TurnResult | None = None  # the turn whose requests are being recorded
-        self.context.on_event = self._on_compaction
-        self.context.on_request = self._on_summary_request
         self._current_turn = 0
+        self.context = self._open_context(store, session_id)
 
     # -- opening ------------------------------------------------------------------------------
 
@@ -136,31 +135,32 @@ class AgentSession:
         cls, backend: Backend, store: Store, config: AgentConfig, session_id: str | None = None
     ) -> "AgentSession":
         """A new session, or the stored one with ``session_id`` resumed."""
-        prices = build_prices(config, backend.model_name)
-        options: dict[str, Any] = {"recall": config.recall, "max_summary_tokens": config.summary_tokens}
+        return cls(backend, store, config, session_id)
+
+    def _open_context(self, store: Store, session_id: str | None) -> ContextManager:
+        """The session's context manager, reporting its compactions and summary requests here."""
+        config = self.config
+        options: dict[str, Any] = {
+            "recall": config.recall,
+            "max_summary_tokens": config.summary_tokens,
+            "on_event": self._on_compaction,
+            "on_request": self._on_summary_request,
+        }
         if session_id is not None:
-            context = ContextManager.resume(store, backend, session_id, config.kv_budget, **options)
-        else:
-            system = config.system if config.system is not None else DEFAULT_SYSTEM
-            if config.tools:
-                probe = ToolRegistry(
-                    ToolPermissions.parse(
-                        config.allow_tools, root=config.workdir, extra_paths=config.extra_paths
-                    ),
-                    recall=lambda q, n: [],
-                )
-                system = f"{system}\n\n{tools_system_prompt(probe.specs())}"
-            context = ContextManager.create(
-                store,
-                backend,
-                system=system,
-                budget=config.kv_budget or default_budget(backend),
-                high_watermark=config.high_watermark,
-                low_watermark=config.low_watermark,
-                reserve_tokens=config.reply_reserve,
-                **options,
-            )
-        return cls(backend, context, config, prices)
+            return ContextManager.resume(store, self.backend, session_id, config.kv_budget, **options)
+        system = config.system if config.system is not None else DEFAULT_SYSTEM
+        if self.tools is not None:
+            system = f"{system}\n\n{tools_system_prompt(self.tools.specs())}"
+        return ContextManager.create(
+            store,
+            self.backend,
+            system=system,
+            budget=config.kv_budget or default_budget(self.backend),
+            high_watermark=config.high_watermark,
+            low_watermark=config.low_watermark,
+            reserve_tokens=config.reply_reserve,
+            **options,
+        )
 
     @property
     def session_id(self) -> str:
