@@ -4,14 +4,33 @@ Databases and logs go to ``tmp_path`` so no test can read or write the user's hi
 model cache (``~/.cache/liubai/models``) is left alone: converting the default model costs
 ~20 s and ~500 MB, so it is pulled once and reused by every run. Tests of the pull machinery
 itself point ``LIUBAI_CACHE_DIR`` at a temporary directory with the ``fake_cache`` fixture.
+
+Caches of what was measured or built on this machine (:data:`MACHINE_CACHES`: the GEMM plans
+of ``runtime/layers/gemm.py``) go to a fresh directory per test session, never to the user
+cache, so no test depends on what an earlier run left there. Per session, not per test: module-
+and session-scoped engines are built before any function-scoped fixture runs, and timing a GEMM
+plan costs a minute or more, which each test would otherwise pay again.
 """
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from runtime.models.loader import resolve_model
 from runtime.models.registry import DEFAULT_MODEL
+
+# The environment variable that moves each machine-specific cache, and its directory's name.
+MACHINE_CACHES = {"LIUBAI_GEMM_PLAN_DIR": "gemm"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _hermetic_machine_caches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    root = tmp_path_factory.mktemp("machine-caches")
+    with pytest.MonkeyPatch.context() as patch:
+        for variable, name in MACHINE_CACHES.items():
+            patch.setenv(variable, str(root / name))
+        yield root
 
 
 @pytest.fixture(autouse=True)

@@ -41,9 +41,39 @@ def test_row_counts_map_to_the_largest_bucket_not_above_them() -> None:
         GemmPlan.from_json({"512x256": [1, 2]})
 
 
-def test_plan_is_timed_once_then_read_from_the_cache(
+@pytest.fixture
+def plan_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty plan directory of this test's own."""
+    directory = tmp_path / "gemm-plans"
+    monkeypatch.setenv(gemm.PLAN_DIR_ENV, str(directory))
+    return directory
+
+
+def test_plans_live_in_the_cache_dir_unless_told_otherwise(
     fake_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv(gemm.PLAN_DIR_ENV)
+    assert gemm.plan_dir() == fake_cache / "gemm"
+    monkeypatch.setenv(gemm.PLAN_DIR_ENV, str(fake_cache / "elsewhere"))
+    assert gemm.plan_dir() == fake_cache / "elsewhere"
+
+
+@pytest.fixture(scope="module")
+def plan_dir_seen_by_a_module_fixture() -> Path:
+    return gemm.plan_dir()
+
+
+def test_tests_keep_plans_out_of_the_user_cache(
+    plan_dir_seen_by_a_module_fixture: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """conftest.py's session fixture: plans go to this session's temporary directory, for the
+    module-scoped engines too (they are built before any function-scoped fixture runs)."""
+    session = tmp_path_factory.getbasetemp()
+    assert gemm.plan_dir().is_relative_to(session)
+    assert plan_dir_seen_by_a_module_fixture.is_relative_to(session)
+
+
+def test_plan_is_timed_once_then_read_from_the_cache(plan_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     timed: list[tuple[int, int]] = []
 
     def fake_time(weights: list[torch.Tensor]) -> tuple[int, ...]:
@@ -55,7 +85,7 @@ def test_plan_is_timed_once_then_read_from_the_cache(
     first = plan_for(weights)
     assert sorted(timed) == [(256, 1024), (512, 256)]  # each shape once; the tiny one never
     assert first.forms_for(1) == {(512, 256): 1, (256, 1024): 1}
-    [cached] = (fake_cache / "gemm").glob("*.json")
+    [cached] = plan_dir.glob("*.json")
     assert json.loads(cached.read_text()) == first.to_json()
 
     assert plan_for(weights).chunks == first.chunks
@@ -67,10 +97,10 @@ def test_plan_is_timed_once_then_read_from_the_cache(
     assert json.loads(cached.read_text()) == first.to_json()
 
 
-def test_no_plan_for_tiny_weights_or_when_disabled(fake_cache: Path) -> None:
+def test_no_plan_for_tiny_weights_or_when_disabled(plan_dir: Path) -> None:
     assert plan_for([torch.zeros(64, 64)]).chunks == {}
     assert plan_for([torch.zeros(512, 512)], enabled=False).chunks == {}
-    assert not (fake_cache / "gemm").exists()
+    assert not plan_dir.exists()
 
 
 def test_engine_rejects_an_unknown_gemm_option() -> None:

@@ -13,11 +13,16 @@ by shape, for each power-of-two row count up to :data:`ROW_BUCKETS`'s last (deco
 batches; a prefill of more rows is compute-bound and keeps ``F.linear``), and keeps the
 fastest. The choice is cached on disk, keyed by CPU, torch version, thread count, dtype and
 shapes, so the timing runs once per machine.
+
+Plans are kept in ``gemm/`` under liubai's cache dir (``runtime/paths.py``), or in the directory
+named by ``LIUBAI_GEMM_PLAN_DIR`` when it is set: the tests point it at a temporary directory, so
+that no test reads a plan an earlier run left on the machine.
 """
 
 import hashlib
 import json
 import logging
+import os
 import platform
 import time
 from collections.abc import Callable, Iterable
@@ -30,6 +35,7 @@ from runtime.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
+PLAN_DIR_ENV = "LIUBAI_GEMM_PLAN_DIR"
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LINEAR = 0  # a plan entry: F.linear; any other entry n: weight-major in chunks of at most n rows
 # Below this many weight elements a product costs microseconds whichever form it takes.
@@ -173,7 +179,13 @@ def _cache_path(shapes: list[Shape], dtype: torch.dtype) -> Path:
         },
         sort_keys=True,
     )
-    return cache_dir() / "gemm" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return plan_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def plan_dir() -> Path:
+    """Where timed plans are kept: ``$LIUBAI_GEMM_PLAN_DIR``, else ``gemm/`` in the cache dir."""
+    override = os.environ.get(PLAN_DIR_ENV)
+    return Path(override) if override else cache_dir() / "gemm"
 
 
 def _cpu_name() -> str:
