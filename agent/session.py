@@ -4,7 +4,8 @@ A turn: the message goes to the context manager, which builds a prompt inside th
 (compacting and recalling as needed); the backend streams the reply; tool calls in the reply are
 run (with permission) and their results fed back, up to ``max_tool_rounds`` times; the reply goes
 back to memory. Every step is published as an event (``agent/events.py``) and every request is
-written to the store with its metrics and cost.
+written to the store with its metrics and cost; what the turn produced comes back as a
+``TurnResult`` (``agent/turn_result.py``, re-exported here).
 
 Interrupting a turn (Ctrl-C in a headless run, the cancel key in the TUI) stops generation, stores
 the partial reply marked ``interrupted``, and leaves everything stored before it untouched.
@@ -12,7 +13,6 @@ the partial reply marked ``interrupted``, and leaves everything stored before it
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from agent.config import AgentConfig
@@ -29,6 +29,7 @@ from agent.events import (
 )
 from agent.tools.calls import ToolCallStreamFilter, parse_tool_calls, tool_result_message, tools_system_prompt
 from agent.tools.registry import ToolPermissions, ToolRegistry
+from agent.turn_result import TurnInterrupted, TurnResult, cost_of, timings_of, usage_of
 from memory.compaction import CompactionEvent
 from memory.context_manager import ContextManager
 from memory.store import Store
@@ -37,74 +38,6 @@ from runtime.engine.metrics import RequestMetrics
 from runtime.engine.sampling import SamplingParams
 
 EventSink = Callable[[Event], None]
-
-
-class TurnInterrupted(Exception):
-    """A turn was cancelled; its partial reply is stored, marked interrupted."""
-
-    def __init__(self, result: "TurnResult") -> None:
-        super().__init__("the reply was interrupted")
-        self.result = result
-
-
-@dataclass(slots=True)
-class TurnResult:
-    """What one user turn produced, summed over its requests (tool rounds included)."""
-
-    session_id: str
-    turn: int
-    answer: str
-    finish_reason: str | None
-    interrupted: bool
-    requests: list[RequestMetrics] = field(default_factory=list)
-    costs: list[Cost] = field(default_factory=list)
-    compactions: list[CompactionEvent] = field(default_factory=list)
-    kv: dict[str, Any] = field(default_factory=dict)
-    num_tool_rounds: int = 0
-
-    def usage(self) -> dict[str, int]:
-        return usage_of(self.requests)
-
-    def timings(self) -> dict[str, float]:
-        return timings_of(self.requests, self.requests[0].ttft_ms if self.requests else 0.0)
-
-    def cost(self) -> dict[str, Any]:
-        return cost_of(self.costs)
-
-
-def usage_of(requests: list[RequestMetrics]) -> dict[str, int]:
-    """Token counts summed over requests: what ``--json``'s ``usage`` reports."""
-    return {
-        "prompt_tokens": sum(m.num_prompt_tokens for m in requests),
-        "cached_tokens": sum(m.num_cached_tokens for m in requests),
-        "prefilled_tokens": sum(m.num_prefilled_tokens for m in requests),
-        "generated_tokens": sum(m.num_generated_tokens for m in requests),
-    }
-
-
-def timings_of(requests: list[RequestMetrics], ttft_ms: float) -> dict[str, float]:
-    """Prefill and decode time summed over requests, and the decode rate they give together."""
-    decode_ms = sum(m.decode_ms for m in requests)
-    decoded = sum(max(0, m.num_generated_tokens - 1) for m in requests)
-    return {
-        "ttft_ms": round(ttft_ms, 3),
-        "prefill_ms": round(sum(m.prefill_ms for m in requests), 3),
-        "decode_ms": round(decode_ms, 3),
-        "decode_tok_s": round(decoded / (decode_ms / 1000), 3) if decode_ms > 0 else 0.0,
-    }
-
-
-def cost_of(costs: list[Cost]) -> dict[str, Any]:
-    def total(name: str) -> float | None:
-        values = [getattr(c, name) for c in costs if getattr(c, name) is not None]
-        return round(sum(values), 9) if values else None
-
-    return {
-        "compute_s": round(sum(c.compute_s for c in costs), 6),
-        "usd": total("usd"),
-        "usd_machine": total("usd_machine"),
-        "usd_tokens": total("usd_tokens"),
-    }
 
 
 class AgentSession:
