@@ -115,15 +115,16 @@ def main() -> None:
     model_dir = common.resolve_model_dir(args.model)
     engine = common.make_engine(model_dir, args.dtype)
     hf_model = common.load_hf(model_dir, args.dtype)
-    # Per round k prompts for the concurrent batch and k for the sequential side; k more to warm up.
+    # Per round k prompts for the concurrent batch and k for the sequential side; k + 1 to warm up.
     prompts = [
-        common.chat_prompt(engine.tokenizer, i, args.prompt_tokens) for i in range(2 * k * args.repeats + k)
+        common.chat_prompt(engine.tokenizer, i, args.prompt_tokens)
+        for i in range(2 * k * args.repeats + k + 1)
     ]
     common.log(f"{k} requests of ~{len(prompts[0])} prompt tokens, {n} new tokens each ({args.dtype})")
     common.log(f"warm-up: the batches at {k}, liubai alone at 1")
-    warm = prompts[-k:]
+    warm, warm_alone = prompts[-k - 1 : -1], prompts[-1]
     engine.generate(warm, common.sampling(4))
-    engine.generate(warm[:1], common.sampling(4))
+    engine.generate([warm_alone], common.sampling(4))
     hf_padded_tokens(hf_model, warm, 4)
     hf_continuous_tokens(hf_model, warm, 4)
 
