@@ -5,7 +5,7 @@ import torch
 
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.sequence import Sequence
-from runtime.kv.block_manager import BlockManager, chain_hash
+from runtime.kv.block_manager import BlockManager, block_digest
 
 BS = 4
 
@@ -29,7 +29,7 @@ def test_allocation_takes_blocks_in_order_and_seals_full_ones() -> None:
     run_prefill(bm, a)
     assert a.block_table == [0, 1, 2]
     assert [bm.blocks[i].ref_cnt for i in range(4)] == [1, 1, 1, 0]
-    assert a.block_hashes == [chain_hash(None, (0, 1, 2, 3)), chain_hash(a.block_hashes[0], (4, 5, 6, 7))]
+    assert a.block_hashes == [block_digest(None, (0, 1, 2, 3)), block_digest(a.block_hashes[0], (4, 5, 6, 7))]
     assert set(bm.cached_blocks.values()) == {0, 1}  # the partial third block is not cached
     assert bm.num_free_blocks == 5
 

@@ -9,6 +9,7 @@ import torch
 from runtime.engine.detokenizer import Detokenizer
 from runtime.engine.metrics import RequestMetrics
 from runtime.engine.sampling import SamplingParams, make_generator
+from runtime.kv.digest import block_digest
 
 
 class SequenceStatus(enum.Enum):
@@ -35,7 +36,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV is in the pool
         self.block_table: list[int] = []  # logical block -> physical block id
-        self.block_hashes: list[int] = []  # chained hash of each full block, in order
+        self.block_hashes: list[bytes] = []  # digest of each full block it holds, in order
+        self._digests: list[bytes] = []  # digest of each full block of token_ids, computed once
+        self.num_disk_loaded_tokens = 0  # tokens whose KV the disk tier loaded for this request
         self.finish_reason: str | None = None
         self.stop_token_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -66,6 +69,15 @@ class Sequence:
         before the last one do (the recompute); false only for decode, which computes the last
         token alone once it was sampled."""
         return self.num_computed_tokens < max(self.num_prompt_tokens, len(self.token_ids) - 1)
+
+    def block_digest(self, index: int, block_size: int) -> bytes:
+        """The chained digest of full block ``index`` of ``token_ids`` (memoized: a full block's
+        tokens never change, and admission asks again each step a request waits)."""
+        while len(self._digests) <= index:
+            i = len(self._digests)
+            parent = self._digests[-1] if self._digests else None
+            self._digests.append(block_digest(parent, self.token_ids[i * block_size : (i + 1) * block_size]))
+        return self._digests[index]
 
     def append_token(self, token_id: int, now: float) -> None:
         self.token_ids.append(token_id)

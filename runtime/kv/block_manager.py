@@ -1,8 +1,10 @@
 """Physical KV blocks: allocation, reference counts and the prefix cache.
 
 Each block holds ``block_size`` consecutive tokens of one sequence. A block that is full is
-*sealed*: it gets a chained hash, ``hash((parent_hash, its token ids))``, and is registered in
-the prefix cache so that any later sequence starting with the same tokens can share it.
+*sealed*: it gets a chained digest, blake2b of its parent's digest and its token ids' bytes
+(:func:`block_digest`), and is registered in the prefix cache so that any later sequence starting
+with the same tokens can share it. The digest is the same in every process (Python's ``hash()``
+of ``None`` is not, on 3.11), so the disk tier (``runtime/kv/disk_tier.py``) files blocks by it.
 
 Blocks nobody references sit in ``free_queue`` in eviction order (front is evicted first)::
 
@@ -15,7 +17,8 @@ unreferenced block takes it out of the queue again.
 
 ``on_release`` (the KV pool's) hears of every block that returns to the queue holding nothing
 reusable, so storage kept per open block (a quantized pool's full-precision staging) is freed
-with it.
+with it. ``on_evict`` hears of every cached block just before allocation takes it, while its KV
+is still intact, so the disk tier can keep a copy.
 """
 
 from collections import OrderedDict
@@ -23,24 +26,32 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.engine.sequence import Sequence
+from runtime.kv.digest import block_digest
+
+__all__ = ["Block", "BlockManager", "EvictedBlock", "PrefixHit", "block_digest"]
 
 
 @dataclass(slots=True)
 class Block:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None  # set while the block is registered in the prefix cache
+    block_hash: bytes | None = None  # set while the block is registered in the prefix cache
     token_ids: tuple[int, ...] | None = None  # kept to verify hits against hash collisions
-
-
-def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent_hash, token_ids))
 
 
 @dataclass(slots=True)
 class PrefixHit:
     block_ids: list[int]
-    block_hashes: list[int]
+    block_hashes: list[bytes]
+
+
+@dataclass(slots=True, frozen=True)
+class EvictedBlock:
+    """A cached block allocation is about to reuse: its id, digest and tokens, KV still intact."""
+
+    block_id: int
+    block_hash: bytes
+    token_ids: tuple[int, ...]
 
 
 class BlockManager:
@@ -50,15 +61,17 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         on_release: Callable[[list[int]], None] | None = None,
+        on_evict: Callable[[list[EvictedBlock]], None] | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.on_release = on_release
+        self.on_evict = on_evict
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached_blocks: dict[int, int] = {}  # block hash -> block id
+        self.cached_blocks: dict[bytes, int] = {}  # block digest -> block id
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.num_hittable_tokens = 0
@@ -87,16 +100,14 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return hit
         max_blocks = (len(seq) - 1) // self.block_size
-        parent: int | None = None
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            block_hash = chain_hash(parent, tokens)
+            block_hash = seq.block_digest(i, self.block_size)
             block_id = self.cached_blocks.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             hit.block_ids.append(block_id)
             hit.block_hashes.append(block_hash)
-            parent = block_hash
         return hit
 
     def reset_prefix_cache(self) -> None:
@@ -142,15 +153,47 @@ class BlockManager:
         needed = self.num_blocks_needed(seq, num_new_tokens)
         if needed > self.num_free_blocks:
             return False
-        for _ in range(needed):
-            seq.block_table.append(self._take_free_block())
+        seq.block_table.extend(self._take_free_blocks(needed))
         return True
 
-    def _take_free_block(self) -> int:
-        block_id, _ = self.free_queue.popitem(last=False)
-        self._forget_prefix(block_id)
-        self.blocks[block_id].ref_cnt = 1
-        return block_id
+    def _take_free_blocks(self, num_blocks: int) -> list[int]:
+        taken = [self.free_queue.popitem(last=False)[0] for _ in range(num_blocks)]
+        evicted = [
+            EvictedBlock(b, block.block_hash, block.token_ids)
+            for b in taken
+            if (block := self.blocks[b]).block_hash is not None and block.token_ids is not None
+        ]
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+        for block_id in taken:
+            self._forget_prefix(block_id)
+            self.blocks[block_id].ref_cnt = 1
+        return taken
+
+    def adopt_loaded_blocks(
+        self, hit: PrefixHit, digests: list[bytes], tokens: list[tuple[int, ...]]
+    ) -> list[int]:
+        """Take free blocks for KV about to be loaded from disk, cache them under ``digests`` and
+        append them to ``hit``; returns their ids, which the caller fills before the next step.
+
+        The hit's own unreferenced blocks move to the back of the queue first (they are about to
+        be used), so taking from the front never takes one of them; the caller keeps
+        ``len(digests)`` within ``num_free_blocks`` less those.
+        """
+        for block_id in hit.block_ids:
+            if block_id in self.free_queue:
+                self.free_queue.move_to_end(block_id)
+        taken = self._take_free_blocks(len(digests))
+        for block_id, digest, token_ids in zip(taken, digests, tokens, strict=True):
+            block = self.blocks[block_id]
+            block.ref_cnt = 0
+            block.block_hash = digest
+            block.token_ids = token_ids
+            self.cached_blocks[digest] = block_id
+            self.free_queue[block_id] = None  # cached and unreferenced, most recently used
+        hit.block_ids.extend(taken)
+        hit.block_hashes.extend(digests)
+        return taken
 
     def _forget_prefix(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -167,8 +210,7 @@ class BlockManager:
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            block_hash = chain_hash(parent, tokens)
+            block_hash = seq.block_digest(i, self.block_size)
             seq.block_hashes.append(block_hash)
             block_id = seq.block_table[i]
             sealed.append(block_id)
