@@ -30,6 +30,10 @@ class CompactionEvent:
     previous_summary_id: int | None = None
     window_start: int  # seq where the recent section starts afterwards
     num_requests: int = 0  # summarization requests it made
+    # The fact ledger's facts the new summary's kept-verbatim list carries (``Fact.to_dict()``),
+    # and how many of the summary's facts were folded out of the list for room (still stored).
+    ledger: list[dict[str, Any]] = field(default_factory=list)
+    num_facts_folded: int = 0
     duration_ms: float
     # Given by the store when it records the compaction (``Store.record_compaction``).
     compaction_id: int = 0
@@ -50,7 +54,10 @@ class CompactionEvent:
             else (f"turns {self.first_turn}–{self.last_turn}")
         )
         verb = "cleared" if self.trigger == "clear" else "compacted"
-        return f"{verb} {span}: {self.tokens_before:,} → {self.tokens_after:,} tokens"
+        text = f"{verb} {span}: {self.tokens_before:,} → {self.tokens_after:,} tokens"
+        if self.ledger:
+            text += f", kept {describe_facts(len(self.ledger))} verbatim"
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -64,11 +71,18 @@ class CompactionEvent:
             "summary_tokens": self.summary_tokens,
             "summary_depth": self.summary_depth,
             "num_requests": self.num_requests,
+            "facts_kept": len(self.ledger),
+            "facts_folded": self.num_facts_folded,
+            "ledger": self.ledger,
             "duration_ms": round(self.duration_ms, 3),
             "compaction_id": self.compaction_id,
             "summary_id": self.summary_id,
             "description": self.describe(),
         }
+
+
+def describe_facts(count: int) -> str:
+    return f"{count} fact" if count == 1 else f"{count} facts"
 
 
 def elapsed_ms(start: float) -> float:

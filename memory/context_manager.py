@@ -4,7 +4,8 @@ The context manager holds one session's messages and runs each request's prompt 
 steps that the other modules of ``memory/`` own: the layout of the prompt
 (``memory/prompt_layout.py``), which turns leave when the budget runs short
 (``memory/eviction.py``), the summary that replaces them (``memory/summarizer.py``), what comes
-back by search (``memory/recall.py``), and the store (``memory/store.py``).
+back by search (``memory/recall.py``), the facts kept verbatim beside the summary
+(``memory/fact_ledger.py``), and the store (``memory/store.py``).
 
 Every message is written to the store when it is added, and a compaction is written (summary,
 record, new message states) before the live context changes, so nothing is lost whenever the
@@ -20,11 +21,22 @@ from memory.budget import Budget, BudgetSpec
 from memory.chat_render import renderer_for
 from memory.compaction import CompactionEvent, elapsed_ms
 from memory.errors import StoreError
+from memory.fact_ledger import (
+    LEDGER_SHARE,
+    Fact,
+    extract_facts,
+    fit_ledger,
+    join_summary,
+    ledger_of,
+    prose_of,
+    render_ledger,
+    states,
+)
 from memory.prompt_layout import SECTIONS, BuiltPrompt, layout, render, summary_tokens
 from memory.recall import Recall, fts_query, recall_for_new_message
 from memory.records import MessageRecord, SearchHit, SessionRecord
 from memory.store import Store
-from memory.summarizer import RequestObserver, Summarizer
+from memory.summarizer import RequestObserver, Summarizer, SummaryResult
 from memory.turn_map import TurnInfo, turn_map_of
 from runtime.backends.backend import Backend
 from runtime.engine.metrics import RequestMetrics
@@ -45,6 +57,7 @@ class ContextManager:
         budget: Budget,
         *,
         recall: bool = True,
+        ledger_recall: bool = True,
         max_summary_tokens: int = 192,
         on_event: EventObserver | None = None,
         on_request: RequestObserver | None = None,
@@ -54,10 +67,12 @@ class ContextManager:
         self.session = session
         self.renderer = renderer_for(backend.tokenizer, backend.model_name)
         self.recall_enabled = recall
+        self.ledger_recall = ledger_recall  # recall through the fact ledger besides full-text search
         self.on_event = on_event
         self.on_request = on_request
         self.summarizer = Summarizer(backend, self.renderer, max_summary_tokens, self._observe_request)
         self._messages: list[MessageRecord] = store.messages(session.id)
+        self._facts: dict[int, list[Fact]] = {}  # message id -> its facts (extraction is pure)
         self._summary_text: str | None = None
         if session.summary_id is not None:
             self._summary_text = store.get_summary(session.summary_id).text
@@ -325,18 +340,18 @@ class ContextManager:
         to_summarize = [m for m in leaving if m.kind == "chat"]
         evicted = [m for m in leaving if m.kind != "chat"]  # recall notes: copies of stored text
         cap = int(self.budget.tokens * self.budget.summary_share)
-        result = self.summarizer.summarize(self._summary_text, to_summarize, self.budget.tokens, cap, focus)
         covered: list[int] = []
         if self.session.summary_id is not None:
             covered = self.store.get_summary(self.session.summary_id).message_ids
         already = set(covered)  # a pinned turn that came back and was compacted again
         covered += [m.id for m in to_summarize if m.id not in already]
+        summary_text, result, ledger, num_folded = self._summarize(covered, to_summarize, cap, focus)
         window_start = eviction.window_start_after(
             self._messages, leaving, turns[-1], self.session.window_start
         )
         summarized_ids = {m.id for m in to_summarize}
         evicted_ids = {m.id for m in evicted}
-        after = self._tokens_without(summarized_ids | evicted_ids, result.text)
+        after = self._tokens_without(summarized_ids | evicted_ids, summary_text)
         event = self.store.record_compaction(
             CompactionEvent(
                 session_id=self.session.id,
@@ -347,19 +362,57 @@ class ContextManager:
                 tokens_after=after,
                 summarized_ids=sorted(summarized_ids),
                 evicted_ids=sorted(evicted_ids),
-                summary_text=result.text,
+                summary_text=summary_text,
                 summary_message_ids=covered,
-                summary_tokens=summary_tokens(self.renderer, result.text),
+                summary_tokens=summary_tokens(self.renderer, summary_text),
                 summary_depth=result.depth,
                 previous_summary_id=self.session.summary_id,
                 window_start=window_start,
                 num_requests=result.num_requests,
+                ledger=[f.to_dict() for f in ledger],
+                num_facts_folded=num_folded,
                 duration_ms=elapsed_ms(start),
             )
         )
-        self._apply(summarized_ids, evicted_ids, result.text, event.summary_id, window_start)
+        self._apply(summarized_ids, evicted_ids, summary_text, event.summary_id, window_start)
         self._emit(event)
         return event
+
+    def _summarize(
+        self, covered: list[int], to_summarize: list[MessageRecord], cap: int, focus: str | None
+    ) -> tuple[str, SummaryResult, list[Fact], int]:
+        """The new summary text (the model's prose and the kept-verbatim list, ``cap`` tokens in all
+        as the prompt carries it), the summarizer's result, the facts listed and how many were
+        folded out of the list for room.
+
+        The list is sized first, from the facts of every message the summary covers, newest
+        kept: the ledger is what must survive whatever the model writes, so the prose gets
+        what the list leaves. Facts the prose states are then not repeated.
+        """
+        by_id = {m.id: m for m in self._messages}
+        sources = sorted((by_id[i] for i in covered if i in by_id), key=lambda m: m.seq)
+        facts = ledger_of(sources, self._facts_of)
+        header = summary_tokens(self.renderer, "")  # the summary's header and template framing
+        fitted = fit_ledger(facts, int(cap * LEDGER_SHARE), self._count_text)
+        listed = self._count_text("\n\n" + render_ledger(fitted)) if fitted else 0
+        result = self.summarizer.summarize(
+            prose_of(self._summary_text), to_summarize, self.budget.tokens, cap - header - listed, focus
+        )
+        kept = [f for f in fitted if not states(result.text, f)]
+        text = join_summary(result.text, kept)
+        while kept and summary_tokens(self.renderer, text) > cap:  # token counts of parts add up
+            kept.pop(0)  # only nearly; the oldest fact gives way
+            text = join_summary(result.text, kept)
+        num_folded = sum(1 for f in facts if f not in kept and not states(result.text, f))
+        return text, result, kept, num_folded
+
+    def _facts_of(self, message: MessageRecord) -> list[Fact]:
+        if message.id not in self._facts:
+            self._facts[message.id] = extract_facts(message)
+        return self._facts[message.id]
+
+    def _count_text(self, text: str) -> int:
+        return len(self.renderer.encode(text))
 
     def _apply(
         self,
@@ -391,6 +444,7 @@ class ContextManager:
 
     def _find_recall(self) -> Recall | None:
         """Evicted messages relevant to a new, not yet recalled-for user message (no side effects)."""
+        left = [m for m in self._messages if m.state != "live" and m.kind == "chat"]
         return recall_for_new_message(
             self.store,
             self.session.id,
@@ -398,6 +452,7 @@ class ContextManager:
             self._messages,
             int(self.budget.tokens * self.budget.recall_share),
             lambda text: self.renderer.count("system", text),
+            ledger=ledger_of(left, self._facts_of) if self.ledger_recall else (),
         )
 
     # -- rendering ----------------------------------------------------------------------------

@@ -134,3 +134,11 @@ def m002_session_token_source(db: sqlite_utils.Database) -> None:
     """How the session's token counts were made: tokenizer, tiktoken or estimate (remote models)."""
     db["sessions"].add_column("token_source", str)  # type: ignore[union-attr]
     db.execute("update sessions set token_source = 'tokenizer'")
+
+
+@migration
+def m003_compaction_ledger(db: sqlite_utils.Database) -> None:
+    """The fact ledger each compaction kept verbatim (JSON list of facts; NULL in compactions
+    recorded before the ledger existed, read back as an empty list) and how many it folded."""
+    db["compactions"].add_column("ledger", str)  # type: ignore[union-attr]
+    db["compactions"].add_column("num_facts_folded", int)  # type: ignore[union-attr]

@@ -6,7 +6,7 @@ flags become bools and JSON id lists become lists.
 """
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 MESSAGE_STATES = ("live", "summarized", "evicted")
@@ -74,6 +74,12 @@ class CompactionRecord:
     dropped_ids: list[int]
     summary_id: int | None
     duration_ms: float
+    ledger: list[dict[str, Any]] = field(default_factory=list)  # the facts it kept verbatim
+    num_facts_folded: int = 0
+
+    @property
+    def num_facts_kept(self) -> int:
+        return len(self.ledger)
 
 
 @dataclass(slots=True)
@@ -96,7 +102,9 @@ def from_row(cls: type, row: dict[str, Any]) -> Any:
         value = row.get(f.name)
         if f.name in ("pinned", "interrupted"):
             value = bool(value)
-        elif f.name in ("message_ids", "dropped_ids"):
+        elif f.name in ("message_ids", "dropped_ids", "ledger"):
             value = json.loads(value or "[]")
+        elif f.name == "num_facts_folded":
+            value = value or 0
         values[f.name] = value
     return cls(**values)

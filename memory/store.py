@@ -339,6 +339,8 @@ class Store:
                         "dropped_ids": json.dumps([*c.summarized_ids, *c.evicted_ids]),
                         "summary_id": summary_id,
                         "duration_ms": c.duration_ms,
+                        "ledger": json.dumps(c.ledger, ensure_ascii=False),
+                        "num_facts_folded": c.num_facts_folded,
                     }
                 )
                 .last_pk

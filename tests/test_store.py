@@ -27,7 +27,7 @@ SCHEMA = {
     ],
     "compactions": [
         "id", "session_id", "created", "trigger", "focus", "tokens_before", "tokens_after", "dropped_ids",
-        "summary_id", "duration_ms",
+        "summary_id", "duration_ms", "ledger", "num_facts_folded",
     ],
     "requests": [
         "id", "session_id", "created", "kind", "turn", "model", "backend", "k_dtype", "v_dtype",
@@ -213,3 +213,44 @@ def test_requests_are_logged(tmp_path: Path) -> None:
     assert row["kind"] == "summary" and row["prompt_tokens"] == 100
     with pytest.raises(StoreError):
         store.add_request(session.id, {"no_such_column": 1})
+
+
+def test_compaction_record_keeps_its_ledger(tmp_path: Path) -> None:
+    store = Store(tmp_path / "liubai.db")
+    session = new_session(store)
+    first = store.add_message(session.id, role="user", content="my cat is Pixel", token_count=5, turn=1)
+    ledger = [{"text": "Pixel", "kind": "name", "cue": "cat", "message_id": first.id, "turn": 1}]
+    store.record_compaction(CompactionEvent(
+        session_id=session.id, trigger="manual", focus=None, turns=[1], tokens_before=10, tokens_after=5,
+        summarized_ids=[first.id], evicted_ids=[], summary_text="s", summary_message_ids=[first.id],
+        summary_tokens=2, window_start=2, duration_ms=1.0, ledger=ledger, num_facts_folded=3,
+    ))  # fmt: skip
+    (record,) = store.compactions(session.id)
+    assert record.ledger == ledger and record.num_facts_kept == 1 and record.num_facts_folded == 3
+    store.close()
+
+
+def test_database_from_before_the_ledger_migrates_and_keeps_its_rows(tmp_path: Path) -> None:
+    """A database written before m003 opens: its compaction rows read back whole, with no ledger."""
+    import sqlite_utils
+
+    path = tmp_path / "old.db"
+    db = sqlite_utils.Database(path)
+    for fn in MIGRATIONS[:2]:
+        fn(db)
+    db["_migrations"].insert_all({"name": fn.__name__, "applied_at": "2025-01-01"} for fn in MIGRATIONS[:2])
+    db["sessions"].insert({"id": "old", "created": "c", "updated": "u", "model": "m", "backend": "local",
+                           "system": "s", "budget_spec": "4096tok", "budget_tokens": 4096,
+                           "high_watermark": 0.85, "low_watermark": 0.55, "reserve_tokens": 256,
+                           "window_start": 0})  # fmt: skip
+    db["compactions"].insert({"session_id": "old", "created": "c", "trigger": "auto", "focus": None,
+                              "tokens_before": 900, "tokens_after": 300, "dropped_ids": "[1, 2]",
+                              "summary_id": None, "duration_ms": 5.0})  # fmt: skip
+    db.conn.close()
+
+    store = Store(path)
+    (record,) = store.compactions("old")
+    assert (record.tokens_before, record.tokens_after, record.dropped_ids) == (900, 300, [1, 2])
+    assert record.ledger == [] and record.num_facts_kept == 0 and record.num_facts_folded == 0
+    assert store.schema_version == len(MIGRATIONS)
+    store.close()
