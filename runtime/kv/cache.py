@@ -249,6 +249,37 @@ class KVCache:
             self._stage_index[torch.tensor(dropped, device=self.device)] = -1
             self._clear_read_plans()  # they point at the dropped stages
 
+    # -- the disk tier's interface -------------------------------------------------------------
+
+    def _block_byte_views(self) -> list[torch.Tensor]:
+        # K's layers then V's, each layer's parts in order: the order of a block's bytes on disk.
+        return [v for store in (self.key_store, self.value_store) for layer in range(self.layout.num_layers)
+                for v in store.block_bytes(layer)]  # fmt: skip
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Sealed blocks' stored bytes, (n, bytes_per_block) uint8 on the CPU, one row per block."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        rows = [
+            view.index_select(1, index).movedim(1, 0).reshape(len(block_ids), -1)  # (n, bytes of a part)
+            for view in self._block_byte_views()
+        ]
+        return torch.cat(rows, dim=1).cpu()  # (n, bytes_per_block)
+
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write blocks' stored bytes ``data`` (n, bytes_per_block) uint8, as :meth:`export_blocks`
+        gave them, into ``block_ids``; they read as sealed blocks from the next step on."""
+        if data.shape != (len(block_ids), self.bytes_per_block):
+            raise ValueError(f"block data of shape {tuple(data.shape)} for {len(block_ids)} blocks")
+        self._drop_stages(block_ids)  # (free blocks hold none; a stale one would shadow the load)
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        data = data.to(self.device)
+        offset = 0
+        for view in self._block_byte_views():
+            shape = (len(block_ids), view.shape[0], *view.shape[2:])  # (n, KVH, ...)
+            width = view[:, 0].numel()
+            view.index_copy_(1, index, data[:, offset : offset + width].reshape(shape).movedim(0, 1))
+            offset += width
+
     # -- the write plan -----------------------------------------------------------------------
 
     def _take_stage(self, block_id: int) -> int:

@@ -92,6 +92,11 @@ class FullStore:
     def own_blocks(self, layer: int, blocks: torch.Tensor, stages: torch.Tensor) -> torch.Tensor:
         return self._blocks(layer).index_select(1, blocks)  # (KVH, B, bs, D)
 
+    def block_bytes(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The layer's stored blocks as raw bytes, (KVH, num_blocks, ...) uint8 views: what a block
+        file holds."""
+        return (self._blocks(layer).view(torch.uint8),)  # (KVH, blocks, bs, D * itemsize)
+
 
 class QuantStore:
     """Keys or values quantized per block by ``codec``, with open blocks staged in full precision."""
@@ -171,6 +176,11 @@ class QuantStore:
 
     def own_rows(self, layer: int, pool_slots: torch.Tensor, stage_slots: torch.Tensor) -> torch.Tensor:
         return self.staging[layer].index_select(1, stage_slots)  # (KVH, n, D)
+
+    def block_bytes(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The layer's sealed blocks as raw bytes, one (KVH, num_blocks, ...) uint8 view per part:
+        quantized blocks stay quantized on disk (staging is never saved: only sealed blocks are)."""
+        return tuple(part.view(torch.uint8) for part in self.parts[layer])
 
     def own_blocks(self, layer: int, blocks: torch.Tensor, stages: torch.Tensor) -> torch.Tensor:
         return self._staged_blocks(layer).index_select(1, stages)  # (KVH, B, bs, D)
