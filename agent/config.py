@@ -13,6 +13,7 @@ from runtime.models.registry import DEFAULT_MODEL
 # The engine's KV storage dtypes (runtime.kv.quant.KV_DTYPES), spelled out so that building the
 # CLI does not import torch; a test keeps the two equal.
 KV_DTYPES = ("auto", "int8", "fp8", "int4")
+DEFAULT_KV_DISK = "2GiB"  # runtime.engine.config.DEFAULT_KV_DISK, for the same reason
 BACKENDS = ("local", "openai")
 
 
@@ -25,6 +26,7 @@ class AgentConfig:
     system: str | None = None
     kv_budget: str | None = None  # "24MiB" or "4096tok"; None: the model's context (capped by the pool)
     kv_pool: str | None = None
+    kv_disk: str = DEFAULT_KV_DISK  # the prefix cache's disk tier; "0" keeps KV in memory only
     dtype: str = "auto"
     kv_dtype: str = "auto"
     k_dtype: str | None = None
@@ -35,7 +37,9 @@ class AgentConfig:
     top_p: float = 1.0
     seed: int | None = None
     db: str | None = None  # None: the user data dir
-    tools: bool = True  # recall, read_file and list_dir
+    # recall, read_file and list_dir: "auto" (only to models that call tools), "on" or "off";
+    # True and False are read as "on" and "off"
+    tools: str | bool = "auto"
     allow_tools: str = ""  # "shell,write" enables the optional ones
     extra_paths: tuple[str, ...] = ()  # paths besides the working directory the file tools may read
     max_tool_rounds: int = 4
@@ -51,6 +55,12 @@ class AgentConfig:
     workdir: Path = field(default_factory=Path.cwd)
 
     def __post_init__(self) -> None:
+        from agent.tools.availability import TOOLS_SETTINGS
+
+        if isinstance(self.tools, bool):
+            self.tools = "on" if self.tools else "off"
+        if self.tools not in TOOLS_SETTINGS:
+            raise ValueError(f"--tools must be one of {', '.join(TOOLS_SETTINGS)}, got {self.tools!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.backend == "openai" and not self.base_url:
@@ -78,6 +88,10 @@ class AgentConfig:
 
         if self.kv_pool is not None:
             parse_size(self.kv_pool)
+        try:
+            parse_size(self.kv_disk)
+        except ValueError as exc:
+            raise ValueError(f"--kv-disk: {exc}") from exc
         if self.kv_budget is not None:
             from memory.budget import BudgetSpec
 

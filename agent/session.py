@@ -27,6 +27,7 @@ from agent.events import (
     TurnFinished,
     TurnStarted,
 )
+from agent.tools.availability import ToolsDecision, decide_tools
 from agent.tools.calls import ToolCallStreamFilter, parse_tool_calls, tool_result_message, tools_system_prompt
 from agent.tools.registry import ToolPermissions, ToolRegistry
 from agent.turn_result import TurnInterrupted, TurnResult, cost_of, timings_of, usage_of
@@ -51,7 +52,10 @@ class AgentSession:
         self.config = config
         self.prices = build_prices(config, backend.model_name)
         self.tools: ToolRegistry | None = None
-        if config.tools:
+        self.tools_decision: ToolsDecision = decide_tools(
+            str(config.tools), backend.kind, backend.model_name, backend.tokenizer
+        )
+        if self.tools_decision.enabled:
             permissions = ToolPermissions.parse(
                 config.allow_tools, root=config.workdir, extra_paths=config.extra_paths
             )

@@ -25,6 +25,9 @@ def tokenizer(default_model_path: Path) -> Any:
 
 
 def open_session(tmp_path: Path, backend: ScriptedBackend, **options: Any) -> AgentSession:
+    """A session on the stand-in; its tools are on unless a test says otherwise (``auto`` would
+    leave them off: the stand-in has SmolLM2's chat template, which renders no tools)."""
+    options.setdefault("tools", "on")
     config = AgentConfig(db=str(tmp_path / "t.db"), workdir=tmp_path, max_tokens=64, **options)
     return AgentSession.open(backend, Store(config.db), config)  # type: ignore[arg-type]
 
@@ -131,3 +134,33 @@ def test_recall_tool_searches_the_session(tmp_path: Path, tokenizer: Any) -> Non
     session.run_turn("Our wifi password is tangerine-7741.")
     session.run_turn("What was the wifi password?")
     assert "tangerine-7741" in backend.prompts[2].messages[-1]["content"]
+
+
+def test_tools_auto_leaves_the_schemas_out_for_a_model_that_does_not_call_tools(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    """SmolLM2's template renders no tools, so ``auto`` leaves them out; ``on`` puts them in."""
+    prompts = {}
+    for setting in ("auto", "on", "off"):
+        backend = ScriptedBackend(tokenizer, ["Rivers flow."])
+        (tmp_path / setting).mkdir()
+        session = open_session(tmp_path / setting, backend, tools=setting)
+        session.run_turn("Tell me about rivers in Europe.")
+        prompts[setting] = backend.prompts[0]
+        assert session.tools_decision.enabled is (setting == "on")
+    system = {setting: prompt.messages[0]["content"] for setting, prompt in prompts.items()}
+    assert "list_dir" in system["on"] and "<tools>" in system["on"]
+    assert system["auto"] == system["off"] == "You are a helpful assistant."
+    assert len(prompts["auto"].token_ids or []) < 60 < len(prompts["on"].token_ids or [])
+
+
+def test_tools_auto_offers_tools_to_remote_backends_and_tool_templates(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    from agent.tools.availability import decide_tools
+
+    assert decide_tools("auto", "openai", "gpt-4o-mini", None).enabled
+    qwen_like = type("Tokenizer", (), {"chat_template": "{% if tools %}<tools>{% endif %}"})()
+    assert decide_tools("auto", "local", "my-qwen", qwen_like).enabled
+    decision = decide_tools("auto", "local", "smollm2-135m-instruct", tokenizer)
+    assert not decision.enabled and "registry" in decision.reason

@@ -171,7 +171,12 @@ def test_manual_compact_with_focus_reaches_the_summarizer(store: Store, backend:
     assert record.trigger == "manual" and record.focus == "the lighthouse keeper's name"
     assert manager.summary is not None
     assert manager.compact() is None  # nothing live is left to compact
-    description = f"compacted turns 1–3: {before:,} → {event.tokens_after:,} tokens"
+    # the user turns' word1x0-like words are identifiers: the ledger keeps those that fit
+    kept = len(event.ledger)
+    assert kept == len(record.ledger) > 0 and all(f["text"] in manager.summary for f in event.ledger)
+    description = (
+        f"compacted turns 1–3: {before:,} → {event.tokens_after:,} tokens, kept {kept} facts verbatim"
+    )
     assert event.to_dict()["description"] == event.describe() == description
 
 

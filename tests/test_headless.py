@@ -225,3 +225,17 @@ def test_sigint_mid_reply_exits_130_and_stores_the_partial_reply(
     assert messages[1].content.startswith(seen.strip()[:20])
     (request,) = store.requests(session.id)
     assert request["interrupted"] == 1 and 0 < request["generated_tokens"] < 400
+
+
+@pytest.mark.model
+def test_tools_auto_on_the_default_model_sends_a_short_prompt(backend: LocalBackend, tmp_path: Path) -> None:
+    """The default model does not call tools: ``auto`` leaves their schemas out, and ``--json``
+    says so; ``on`` sends them as before."""
+    prompt_tokens = {}
+    for setting in ("auto", "on"):
+        config = AgentConfig(db=str(tmp_path / f"{setting}.db"), max_tokens=4, tools=setting)
+        code, [result] = run_json(backend, config, HeadlessRun(prompt="Tell me about rivers.", output="json"))
+        assert code == 0 and result["tools"]["setting"] == setting
+        assert result["tools"]["enabled"] is (setting == "on")
+        prompt_tokens[setting] = result["usage"]["prompt_tokens"]
+    assert prompt_tokens["auto"] < 60 < 400 < prompt_tokens["on"]

@@ -60,6 +60,7 @@ def add_agent_options(p: argparse.ArgumentParser) -> None:
         help="KV cache storage for keys and values: auto (the model dtype), int8, fp8 or int4",
     )
     kv.add_argument("--k-dtype", choices=KV_DTYPES, default=None, help="KV storage for keys alone")
+    add_kv_disk_option(kv)
     kv.add_argument("--v-dtype", choices=KV_DTYPES, default=None, help="KV storage for values alone")
     kv.add_argument(
         "--no-recall", action="store_true", help="do not bring evicted turns back into the prompt"
@@ -82,7 +83,16 @@ def add_agent_options(p: argparse.ArgumentParser) -> None:
     sampling.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
 
     tools = p.add_argument_group("tools")
-    tools.add_argument("--no-tools", action="store_true", help="offer the model no tools at all")
+    tools.add_argument(
+        "--tools",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="offer the model its tools: auto (only to models that call tools, and remote backends), "
+        "on or off (default: auto)",
+    )
+    tools.add_argument(
+        "--no-tools", dest="tools", action="store_const", const="off", help="the same as --tools off"
+    )
     tools.add_argument(
         "--allow-tools",
         default="",
@@ -114,6 +124,18 @@ def add_agent_options(p: argparse.ArgumentParser) -> None:
     logs.add_argument("--price-table", default=None, metavar="FILE", help="a TOML file of per-model prices")
 
 
+def add_kv_disk_option(group: "argparse._ArgumentGroup | argparse.ArgumentParser") -> None:
+    from agent.config import DEFAULT_KV_DISK
+
+    group.add_argument(
+        "--kv-disk",
+        metavar="SIZE",
+        default=DEFAULT_KV_DISK,
+        help="disk tier of the prefix cache, so new processes and resumed sessions start warm, e.g. "
+        f"4GiB; 0 turns it off (default: {DEFAULT_KV_DISK}; see `liubai kv`)",
+    )
+
+
 def agent_config(args: argparse.Namespace) -> "AgentConfig":
     from agent.config import AgentConfig
 
@@ -126,6 +148,7 @@ def agent_config(args: argparse.Namespace) -> "AgentConfig":
             system=args.system,
             kv_budget=args.kv_budget,
             kv_pool=args.kv_pool,
+            kv_disk=args.kv_disk,
             dtype=args.dtype,
             kv_dtype=args.kv_dtype,
             k_dtype=args.k_dtype,
@@ -136,7 +159,7 @@ def agent_config(args: argparse.Namespace) -> "AgentConfig":
             top_p=args.top_p,
             seed=args.seed,
             db=args.db,
-            tools=not args.no_tools,
+            tools=args.tools,
             allow_tools=args.allow_tools,
             extra_paths=tuple(args.allow_path),
             max_tool_rounds=args.max_tool_rounds,

@@ -69,6 +69,7 @@ class SessionOutcome:
     error: str | None = None
     interrupted: bool = False
     overhead_ms: float = 0.0  # agent + store time outside the backend's requests
+    tools: dict[str, Any] = field(default_factory=dict)  # what --tools resolved to (ToolsDecision)
 
     @property
     def is_error(self) -> bool:
@@ -88,6 +89,7 @@ class SessionOutcome:
             "timings": timings_of(requests, statistics.median(ttfts) if ttfts else 0.0),
             "kv": self.kv,
             "compactions": self.compactions,
+            "tools": self.tools or None,
             "cost": cost_of([c for t in self.turns for c in t.costs]),
             "turns": [
                 {
@@ -169,8 +171,9 @@ def _timing_line(event: TurnFinished) -> str:
     u, t = event.usage, event.timings
     kv = event.kv
     budget = f"/{kv['budget_tokens']:,}" if kv.get("budget_tokens") else ""
+    disk = f", {u['disk_cached_tokens']} from disk" if u.get("disk_cached_tokens") else ""
     return (
-        f"turn {event.turn} · prompt {u['prompt_tokens']} tok (cached {u['cached_tokens']}) · "
+        f"turn {event.turn} · prompt {u['prompt_tokens']} tok (cached {u['cached_tokens']}{disk}) · "
         f"ttft {t['ttft_ms']:.0f} ms · {u['generated_tokens']} tok ({t['decode_tok_s']:.1f} tok/s) · "
         f"kv {kv.get('tokens', 0):,}{budget} tok"
     )
@@ -258,6 +261,7 @@ def _run_session(
     try:
         session = AgentSession.open(backend, store, config, session_id)
         outcome.session_id = session.session_id
+        outcome.tools = session.tools_decision.to_dict()
         for step in steps:
             if cancel.is_set():
                 outcome.interrupted = True

@@ -21,6 +21,7 @@ class ModelEntry:
     sha256: str  # of the whole wheel file, hex
     member: str  # path of the .gguf file inside the wheel
     description: str = ""
+    calls_tools: bool = False  # trained to call tools: ``--tools auto`` offers them (agent/tools)
 
     def __post_init__(self) -> None:
         if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256):
