@@ -102,3 +102,25 @@ def test_path_and_missing_database(tmp_path: Path, capsys: pytest.CaptureFixture
     assert run(capsys, "--db", str(missing), "path") == (0, f"{missing}\n")
     assert run(capsys, "--db", str(missing), "--json") == (0, "[]\n")
     assert not missing.exists()  # listing never creates a database
+
+
+def test_show_says_how_many_facts_a_compaction_kept(
+    tmp_path: Path, tokenizer: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "compacted.db"
+    replies = ["Hello Ada.", "Noted.", "The user talked about pets."]  # the last is the summary
+    session = AgentSession.open(
+        ScriptedBackend(tokenizer, replies),  # type: ignore[arg-type]
+        Store(path),
+        AgentConfig(db=str(path), tools=False),
+    )
+    session.run_turn("My name is Ada.")
+    session.run_turn("My cat is called Pixel and the vet is at 14:30.")
+    assert session.compact() is not None
+    code, out = run(capsys, "--db", str(path), "show", session.session_id)
+    assert code == 0
+    (line,) = [row for row in out.splitlines() if "manual" in row]
+    assert "kept 3 facts verbatim" in line
+    code, out = run(capsys, "--db", str(path), "show", session.session_id, "--json")
+    (compaction,) = json.loads(out)["compactions"]
+    assert [f["text"] for f in compaction["ledger"]] == ["Ada", "Pixel", "14:30"]

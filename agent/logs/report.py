@@ -12,6 +12,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
+from memory.compaction import describe_facts
 from memory.store import Store
 
 EXPORT_FORMATS = ("jsonl", "csv")
@@ -194,6 +195,7 @@ def show_session(store: Store, session_id: str, as_json: bool, out: TextIO) -> N
                 f"  {c.created[:19].replace('T', ' ')}  {c.trigger:<6}  "
                 f"{c.tokens_before:,} → {c.tokens_after:,} tokens  "
                 f"{len(c.dropped_ids)} messages  {c.duration_ms:.0f} ms"
+                + (f"  kept {describe_facts(c.num_facts_kept)} verbatim" if c.ledger else "")
                 + (f"  focus: {c.focus}" if c.focus else "")
                 + "\n"
             )
