@@ -31,6 +31,7 @@ def open_backend(config: AgentConfig) -> Backend:
     engine, name = open_engine(
         config.model,
         kv_pool=config.kv_pool,
+        kv_disk=config.kv_disk,
         dtype=config.dtype,
         kv_dtype=config.kv_dtype,
         k_dtype=config.k_dtype,

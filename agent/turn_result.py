@@ -53,6 +53,7 @@ def usage_of(requests: list[RequestMetrics]) -> dict[str, int]:
     return {
         "prompt_tokens": sum(m.num_prompt_tokens for m in requests),
         "cached_tokens": sum(m.num_cached_tokens for m in requests),
+        "disk_cached_tokens": sum(m.num_disk_cached_tokens for m in requests),
         "prefilled_tokens": sum(m.num_prefilled_tokens for m in requests),
         "generated_tokens": sum(m.num_generated_tokens for m in requests),
     }

@@ -9,7 +9,8 @@ Caches of what was measured or built on this machine (:data:`MACHINE_CACHES`: th
 of ``runtime/layers/gemm.py``) go to a fresh directory per test session, never to the user
 cache, so no test depends on what an earlier run left there. Per session, not per test: module-
 and session-scoped engines are built before any function-scoped fixture runs, and timing a GEMM
-plan costs a minute or more, which each test would otherwise pay again.
+plan costs a minute or more, which each test would otherwise pay again. The KV disk tier is
+one too (for module-scoped engines), and each test also gets a fresh one of its own.
 """
 
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from runtime.models.loader import resolve_model
 from runtime.models.registry import DEFAULT_MODEL
 
 # The environment variable that moves each machine-specific cache, and its directory's name.
-MACHINE_CACHES = {"LIUBAI_GEMM_PLAN_DIR": "gemm"}
+MACHINE_CACHES = {"LIUBAI_GEMM_PLAN_DIR": "gemm", "LIUBAI_KV_DISK_DIR": "kv"}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -37,6 +38,9 @@ def _hermetic_machine_caches(tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def _hermetic_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     data = tmp_path / "liubai-data"
     monkeypatch.setenv("LIUBAI_DATA_DIR", str(data))
+    # The KV disk tier per test too: a later run in the same test may hit what an earlier one
+    # wrote, a test never hits another test's blocks.
+    monkeypatch.setenv("LIUBAI_KV_DISK_DIR", str(tmp_path / "liubai-kv"))
     return data
 
 

@@ -2,7 +2,7 @@
 
 Each command is a module of this package with an ``add_parser`` declaring its arguments and a
 ``run`` handler that builds an options object and calls into the module that does the work
-(``chat``, ``run``, ``serve``, ``logs``, ``plan``, ``pull``; ``options`` holds what ``run`` and
+(``chat``, ``run``, ``serve``, ``logs``, ``kv``, ``plan``, ``pull``; ``options`` holds what ``run`` and
 ``chat`` share). Every runtime import happens inside a function, never at module import, so that
 Ctrl-C while torch is still loading is handled like any other interrupt.
 
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="A terminal agent runtime for local language models.",
     )
     # The command modules import here, inside main's Ctrl-C guard, not at module import.
-    from agent.cli import chat, logs, plan, pull, run, serve
+    from agent.cli import chat, kv, logs, plan, pull, run, serve
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_parser(commands)
     serve.add_parser(commands)
     logs.add_parser(commands)
+    kv.add_parser(commands)
     plan.add_parser(commands)
     return parser
 

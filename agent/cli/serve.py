@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from agent.cli.options import add_kv_disk_option
 from agent.config import KV_DTYPES
 from agent.errors import EXIT_FAILURE, EXIT_INTERRUPTED, error_line
 from runtime.models.registry import DEFAULT_MODEL
@@ -71,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--k-dtype", choices=KV_DTYPES, default=None, help="KV storage for keys alone")
     p.add_argument("--v-dtype", choices=KV_DTYPES, default=None, help="KV storage for values alone")
+    add_kv_disk_option(p)
     p.add_argument(
         "--max-body-bytes",
         metavar="SIZE",
@@ -96,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     engine, model_name = open_engine(
         args.model,
         kv_pool=args.kv_pool,
+        kv_disk=args.kv_disk,
         dtype=args.dtype,
         kv_dtype=args.kv_dtype,
         k_dtype=args.k_dtype,

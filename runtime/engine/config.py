@@ -12,6 +12,7 @@ from runtime.sizes import parse_size
 DEFAULT_CPU_POOL_BYTES = 1024**3  # 1 GiB: ~23k tokens of SmolLM2 KV in fp32
 CPU_POOL_SHARE = 0.2  # never more than this share of the memory available at start
 CUDA_POOL_SHARE = 0.5  # of the GPU memory free after the weights are loaded
+DEFAULT_KV_DISK = "2GiB"  # the CLI's disk tier: ~90k tokens of SmolLM2 KV in fp32, ~350k in int8
 
 
 @dataclass(slots=True)
@@ -34,6 +35,10 @@ class EngineConfig:
     forward: str = "auto"
     # "auto": each product in the form timed fastest on this CPU (gemm.py); "torch": F.linear.
     gemm: str = "auto"
+    # The prefix cache's disk tier: most bytes of block files, e.g. "4GiB"; 0 (the default for an
+    # engine built in code; the CLI defaults to DEFAULT_KV_DISK) keeps KV in memory only.
+    kv_disk: str | int = 0
+    kv_disk_dir: str | Path | None = None  # None: runtime.kv.disk_tier.default_root()
     scheduler: SchedulerConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -45,6 +50,10 @@ class EngineConfig:
             raise ValueError(f"gemm must be 'auto' or 'torch', got {self.gemm!r}")
         if self.kv_pool is not None:
             self.kv_pool = parse_size(self.kv_pool)
+        try:
+            self.kv_disk = parse_size(self.kv_disk)
+        except ValueError as exc:
+            raise ValueError(f"kv_disk: {exc}") from exc
         for option in ("kv_dtype", "k_dtype", "v_dtype"):
             value = getattr(self, option)
             if value is not None and value not in KV_DTYPES:

@@ -27,6 +27,7 @@ from runtime.engine.sequence import Sequence, SequenceStatus
 from runtime.errors import ModelError, PoolTooSmallError, PromptTooLongError
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.cache import KVCache, KVLayout, num_blocks_for
+from runtime.kv.disk_prefix import DiskPrefixCache
 from runtime.layers.attention import ATTENTION_NAME, paged_attention_forward
 from runtime.models.loader import load_model
 from runtime.sizes import format_bytes
@@ -93,7 +94,12 @@ class Engine:
         self.block_manager = BlockManager(
             num_blocks, self.config.block_size, self.config.enable_prefix_caching, self.kv_cache.release
         )
-        self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+        self.disk_cache = self._open_disk_cache(layout)
+        self.scheduler = Scheduler(
+            self.config.scheduler,
+            self.block_manager,
+            self.disk_cache.extend_hit if self.disk_cache is not None else None,
+        )
 
         from transformers import AttentionInterface
 
@@ -113,6 +119,35 @@ class Engine:
         self._stepped = threading.Condition()
         self._num_steps = 0
         self._max_batch_size = 0
+
+    def _open_disk_cache(self, layout: KVLayout) -> DiskPrefixCache | None:
+        """The disk tier under the prefix cache, filed under a fingerprint of what the numbers
+        depend on; None when it is off (kv_disk 0, or no prefix caching)."""
+        if not self.config.kv_disk or not self.config.enable_prefix_caching:
+            return None
+        from runtime.kv.disk_tier import DiskTier, default_root, fingerprint
+
+        numbers = {
+            "dtype": self.dtype,
+            "k_dtype": layout.k_dtype,
+            "v_dtype": layout.v_dtype,
+            "block_size": layout.block_size,
+            "forward": self.config.forward,
+            "gemm": self.config.gemm,
+            "device": self.device.type,
+        }
+        root = Path(self.config.kv_disk_dir) if self.config.kv_disk_dir is not None else default_root()
+        tier = DiskTier(
+            root, fingerprint(self.model_path, numbers), int(self.config.kv_disk), layout.bytes_per_block
+        )
+        disk_cache = DiskPrefixCache(tier, self.block_manager, self.kv_cache)
+        self.block_manager.on_evict = disk_cache.save_evicted
+        return disk_cache
+
+    def close(self) -> None:
+        """Flush the disk tier's pending writes (bounded to a couple of seconds) and stop its writer."""
+        if self.disk_cache is not None:
+            self.disk_cache.tier.close()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -160,6 +195,7 @@ class Engine:
             seq = self._seqs.get(request_id)
             if seq is None or seq.is_finished:
                 return
+            self._save_to_disk(seq)
             self.scheduler.finish(seq, "abort")
             self._deliver(seq, [], final=True)
 
@@ -203,9 +239,14 @@ class Engine:
                 seq.append_token(token, now)
                 reason = self._finish_reason(seq, token)
                 if reason is not None:
+                    self._save_to_disk(seq)
                     self.scheduler.finish(seq, reason)
                 deltas.append(self._deliver(seq, [token], final=reason is not None))
         return deltas
+
+    def _save_to_disk(self, seq: Sequence) -> None:
+        if self.disk_cache is not None and seq.block_table:
+            self.disk_cache.save_sequence(seq)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         stopped_by_string = seq.detokenizer.add_token(token) if token not in seq.stop_token_ids else False
@@ -363,7 +404,22 @@ class Engine:
                 num_running=len(self.scheduler.running),
                 num_waiting=len(self.scheduler.waiting),
                 kv_staging_bytes=self.kv_cache.staging_bytes,
+                **self._disk_stats(),
             )
+
+    def _disk_stats(self) -> dict[str, Any]:
+        if self.disk_cache is None:
+            return {}
+        tier = self.disk_cache.tier.stats()
+        return {
+            "kv_disk_limit_bytes": tier.limit_bytes,
+            "kv_disk_blocks": tier.num_blocks,
+            "kv_disk_bytes": tier.num_bytes,
+            "kv_disk_hit_tokens": self.disk_cache.num_hit_tokens,
+            "kv_disk_written_blocks": tier.num_written_blocks,
+            "kv_disk_evicted_blocks": tier.num_evicted_blocks,
+            "kv_disk_notice": tier.notice,
+        }
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (only unreferenced blocks; running requests keep theirs)."""

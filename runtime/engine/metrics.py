@@ -15,6 +15,8 @@ class RequestMetrics:
 
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_disk_cached_tokens: int = 0  # of those, the ones the disk tier loaded (the rest were in memory)
+    disk_load_ms: float = 0.0  # reading and verifying block files (inside queue_ms / ttft_ms)
     num_prefilled_tokens: int = 0  # prompt tokens actually computed (recomputes after preemption included)
     queue_ms: float = 0.0  # arrival -> first scheduled
     prefill_ms: float = 0.0  # first scheduled -> prompt fully computed
@@ -69,6 +71,15 @@ class EngineStats:
     # Full-precision staging of a quantized pool's open (partial) blocks, allocated now; outside
     # kv_pool_bytes and bytes_per_token. 0 when both K and V are stored in the model dtype.
     kv_staging_bytes: int = 0
+    # The prefix cache's disk tier (runtime/kv/disk_tier.py): all fingerprints' files under its
+    # root, this engine's hits, writes and evictions. kv_disk_limit_bytes 0: no tier.
+    kv_disk_limit_bytes: int = 0
+    kv_disk_blocks: int = 0
+    kv_disk_bytes: int = 0
+    kv_disk_hit_tokens: int = 0
+    kv_disk_written_blocks: int = 0
+    kv_disk_evicted_blocks: int = 0
+    kv_disk_notice: str | None = None  # why the tier turned itself off, if it did
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -4,17 +4,18 @@ Each step has a token budget (``max_num_batched_tokens``). Running sequences go 
 arrival order: a decoding sequence takes one token, a sequence still prefilling takes as much
 of its remaining prompt as the budget allows (chunked prefill). Waiting sequences are then
 admitted while budget, sequence slots and free blocks last; admission first reuses the longest
-cached prefix. When a running sequence needs a block and none is free, the most recently
-admitted running sequence is preempted: its blocks are freed (they keep their hashes, so it
-usually hits its own prefix when it returns) and it goes back to the front of the queue to be
-recomputed.
+cached prefix, continued from the disk tier where one is given (``load_prefix``). When a running
+sequence needs a block and none is free, the most recently admitted running sequence is
+preempted: its blocks are freed (they keep their digests, so it usually hits its own prefix when
+it returns) and it goes back to the front of the queue to be recomputed.
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime.engine.sequence import Sequence, SequenceStatus
-from runtime.kv.block_manager import BlockManager
+from runtime.kv.block_manager import BlockManager, PrefixHit
 
 
 @dataclass(slots=True)
@@ -44,9 +45,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        load_prefix: Callable[[Sequence, PrefixHit], None] | None = None,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.load_prefix = load_prefix  # extends an in-memory hit from the disk tier
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -82,6 +89,8 @@ class Scheduler:
                 break
             seq = self.waiting[0]
             hit = self.block_manager.find_cached_prefix(seq)
+            if self.load_prefix is not None:
+                self.load_prefix(seq, hit)
             num_cached = len(hit.block_ids) * block_size
             num_tokens = min(len(seq) - num_cached, budget)
             if not self.block_manager.can_admit(hit, num_cached + num_tokens):
@@ -94,6 +103,7 @@ class Scheduler:
             if not seq.admitted_once:
                 seq.admitted_once = True
                 seq.metrics.num_cached_tokens = num_cached
+                seq.metrics.num_disk_cached_tokens = min(seq.num_disk_loaded_tokens, num_cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, num_tokens)

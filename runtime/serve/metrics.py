@@ -109,6 +109,22 @@ class ServerMetrics:
             stats.kv_bytes_in_use,
         )
         out.gauge("liubai:kv_cache_pool_bytes", "Bytes of the whole KV pool.", stats.kv_pool_bytes)
+        if stats.kv_disk_limit_bytes:
+            out.gauge(
+                "liubai:kv_disk_blocks", "Block files in the prefix cache's disk tier.", stats.kv_disk_blocks
+            )
+            out.gauge("liubai:kv_disk_bytes", "Bytes of the disk tier's block files.", stats.kv_disk_bytes)
+            out.gauge("liubai:kv_disk_limit_bytes", "The disk tier's size limit.", stats.kv_disk_limit_bytes)
+            out.counter(
+                "liubai:kv_disk_hits",
+                "Prefix cache hits served from the disk tier, in tokens.",
+                stats.kv_disk_hit_tokens,
+            )
+            out.counter(
+                "liubai:kv_disk_evictions",
+                "Block files evicted by the size limit.",
+                stats.kv_disk_evicted_blocks,
+            )
         with self._lock:
             out.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", self.num_prompt_tokens)
             out.counter(

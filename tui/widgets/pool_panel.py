@@ -1,5 +1,8 @@
 """The engine's KV pool and prefix cache: blocks used / cached / free, and how often prompts hit.
 
+With a disk tier, one more line: its blocks and bytes against its limit, and the tokens it served
+(or why it turned itself off).
+
 Blocks come from ``backend.stats()`` (polled while a reply streams); a remote backend has none,
 so they show "n/a". Prefix-cache hits come from the session's own requests (the engine's, or the
 cached-token count a remote server reports): the last request's, and all of this session's.
@@ -12,6 +15,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from runtime.engine.metrics import EngineStats
+from runtime.sizes import format_bytes
 from tui.widgets.bar import segments
 
 
@@ -73,9 +77,18 @@ class PoolPanel(Widget):
                     width,
                 ),
             ]
+        if s is not None and s.kv_disk_limit_bytes:
+            pool.append(_disk_line(s))
         last = _rate(h.last_rate, h.last_cached, h.last_prompt)
         overall = _rate(h.overall_rate, h.total_cached, h.total_prompt)
         return Content("\n").join([*pool, f"hit last {last}", f"hit all  {overall}"])
+
+
+def _disk_line(s: EngineStats) -> str:
+    if s.kv_disk_notice:
+        return "disk off (unwritable)"
+    size = f"{format_bytes(s.kv_disk_bytes)}/{format_bytes(s.kv_disk_limit_bytes)}"
+    return f"disk {s.kv_disk_blocks:,} blocks · {size} · hit {s.kv_disk_hit_tokens:,} tok"
 
 
 def _rate(rate: float | None, cached: int, prompt: int) -> str:
