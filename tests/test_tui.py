@@ -335,6 +335,24 @@ def test_compact_command_runs_on_the_worker(tokenizer: Any, tmp_path: Path) -> N
     assert any(n.startswith("nothing to compact") for n in seen["notes"])
 
 
+def test_compaction_notice_says_how_many_facts_it_kept(tokenizer: Any, tmp_path: Path) -> None:
+    session = open_session(ReplayBackend(tokenizer, REPLIES), tmp_path, kv_budget="2000tok")
+    seen: dict[str, Any] = {}
+
+    async def scenario(app: LiubaiApp, pilot: Pilot[None]) -> None:
+        await send(app, pilot, "My cat is called Pixel and my locker code is 4817.")
+        await send(app, pilot, "/compact")
+        seen["notices"] = [n.text for n in app.chat.query_one(ChatLog).notices if n.kind == "compaction"]
+
+    run_app(session, scenario)
+    (compaction,) = session.store.compactions(session.session_id)
+    assert [f["text"] for f in compaction.ledger] == ["Pixel", "4817"]
+    assert seen["notices"] == [
+        f"⟲ compacted turn 1: {compaction.tokens_before:,} → {compaction.tokens_after:,} tokens, "
+        "kept 2 facts verbatim"
+    ]
+
+
 def test_stats_screen_shows_the_session_totals(tokenizer: Any, tmp_path: Path) -> None:
     session = open_session(ReplayBackend(tokenizer, REPLIES), tmp_path, kv_budget="2000tok")
     seen: dict[str, Any] = {}
