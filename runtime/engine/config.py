@@ -7,6 +7,7 @@ import torch
 
 from runtime.engine.scheduler import SchedulerConfig
 from runtime.kv.quant import KV_DTYPES
+from runtime.layers.weights import QUANTIZED_FORMATS, check_weight_format
 from runtime.sizes import parse_size
 
 DEFAULT_CPU_POOL_BYTES = 1024**3  # 1 GiB: ~23k tokens of SmolLM2 KV in fp32
@@ -35,6 +36,9 @@ class EngineConfig:
     forward: str = "auto"
     # "auto": each product in the form timed fastest on this CPU (gemm.py); "torch": F.linear.
     gemm: str = "auto"
+    # Weight format of the lean forward: "float32", "bfloat16", "int8" (per output channel) or
+    # "int4" (group 32); "auto" keeps the dtype's float weights. int8/int4 run bfloat16 activations.
+    weights: str = "auto"
     # The prefix cache's disk tier: most bytes of block files, e.g. "4GiB"; 0 (the default for an
     # engine built in code; the CLI defaults to DEFAULT_KV_DISK) keeps KV in memory only.
     kv_disk: str | int = 0
@@ -48,6 +52,9 @@ class EngineConfig:
             raise ValueError(f"forward must be 'auto' or 'transformers', got {self.forward!r}")
         if self.gemm not in ("auto", "torch"):
             raise ValueError(f"gemm must be 'auto' or 'torch', got {self.gemm!r}")
+        check_weight_format(self.weights, self.dtype)
+        if self.weights in QUANTIZED_FORMATS and self.forward == "transformers":
+            raise ValueError(f"{self.weights} weights need the lean forward; drop forward='transformers'")
         if self.kv_pool is not None:
             self.kv_pool = parse_size(self.kv_pool)
         try:

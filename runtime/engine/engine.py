@@ -29,6 +29,8 @@ from runtime.kv.block_manager import BlockManager
 from runtime.kv.cache import KVCache, KVLayout, num_blocks_for
 from runtime.kv.disk_prefix import DiskPrefixCache
 from runtime.layers.attention import ATTENTION_NAME, paged_attention_forward
+from runtime.layers.llama_forward import supports as supports_lean_forward
+from runtime.layers.weights import ACTIVATION_DTYPE, QUANTIZED_FORMATS, dtype_for
 from runtime.models.loader import load_model
 from runtime.sizes import format_bytes
 
@@ -60,13 +62,25 @@ class Completion:
 class Engine:
     def __init__(self, model: str | Path = "smollm2-135m-instruct", **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
-        loaded = load_model(self.config.model, dtype=self.config.dtype, device=self.config.device)
+        weights = self.config.weights
+        loaded = load_model(
+            self.config.model, dtype=dtype_for(weights, self.config.dtype), device=self.config.device
+        )
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
         self.device = loaded.device
-        self.dtype = loaded.dtype
         self.eos_token_ids = loaded.eos_token_ids
+        quantized = weights in QUANTIZED_FORMATS
+        if quantized and self.device.type != "cpu":
+            raise ModelError(
+                f"{weights} weights run on the CPU only; use --weights auto on {self.device.type}"
+            )
+        if quantized and not supports_lean_forward(self.model):
+            raise ModelError(f"{weights} weights need a Llama-family model; {self.model_path} is not one")
+        # The activations' (and the auto KV's) dtype: quantized formats compute in bfloat16.
+        self.dtype = ACTIVATION_DTYPE if quantized else loaded.dtype
+        self.weight_format = weights if weights != "auto" else str(loaded.dtype).removeprefix("torch.")
 
         cfg = self.model.config
         if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
@@ -106,7 +120,7 @@ class Engine:
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
         self.model.config._attn_implementation = ATTENTION_NAME
         self.runner = ModelRunner(
-            self.model, self.kv_cache, self.device, self.config.forward, self.config.gemm
+            self.model, self.kv_cache, self.device, self.config.forward, self.config.gemm, self.weight_format
         )
 
         self._ids = itertools.count()
@@ -129,6 +143,7 @@ class Engine:
 
         numbers = {
             "dtype": self.dtype,
+            "weights": self.weight_format,
             "k_dtype": layout.k_dtype,
             "v_dtype": layout.v_dtype,
             "block_size": layout.block_size,
@@ -404,6 +419,7 @@ class Engine:
                 num_running=len(self.scheduler.running),
                 num_waiting=len(self.scheduler.waiting),
                 kv_staging_bytes=self.kv_cache.staging_bytes,
+                weight_format=self.weight_format,
                 **self._disk_stats(),
             )
 

@@ -71,6 +71,8 @@ class EngineStats:
     # Full-precision staging of a quantized pool's open (partial) blocks, allocated now; outside
     # kv_pool_bytes and bytes_per_token. 0 when both K and V are stored in the model dtype.
     kv_staging_bytes: int = 0
+    # How the model's matrices are stored and multiplied: float32, bfloat16, int8 or int4.
+    weight_format: str = "float32"
     # The prefix cache's disk tier (runtime/kv/disk_tier.py): all fingerprints' files under its
     # root, this engine's hits, writes and evictions. kv_disk_limit_bytes 0: no tier.
     kv_disk_limit_bytes: int = 0

@@ -33,12 +33,14 @@ class ModelRunner:
         device: torch.device,
         forward: str = "auto",
         gemm: str = "auto",
+        weights: str | None = None,
     ) -> None:
         self.model = model
         # The lean forward where it reproduces the model exactly; transformers' own otherwise.
+        # ``weights`` (a weight format) is the lean forward's; the engine has checked it applies.
         self.lean_forward: LlamaFamilyForward | None = None
         if forward == "auto" and supports(model):
-            self.lean_forward = LlamaFamilyForward(model, tune_gemm=gemm == "auto")
+            self.lean_forward = LlamaFamilyForward(model, tune_gemm=gemm == "auto", weights=weights)
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
@@ -96,19 +98,25 @@ class ModelRunner:
         ids = torch.tensor([input_ids], device=self.device)  # (1, T)
         pos = torch.tensor([positions], device=self.device)  # (1, T)
         keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        logits = self.forward(ids[0], pos[0], meta, keep_index)  # (n, V)
+        return StepOutput(sampling, logits.float() if sampling else None)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits (len(keep), V) at packed positions ``keep``, in the model's dtype; ids, positions: (T,)."""
         self.kv_cache.begin_step(meta.slot_mapping)
         if self.lean_forward is not None:
-            logits = self.lean_forward(ids[0], pos[0], meta, keep_index)  # (n, V)
-        else:
-            out = self.model(
-                input_ids=ids,
-                position_ids=pos,
-                use_cache=False,
-                logits_to_keep=keep_index,
-                **{METADATA_KWARG: meta},
-            )
-            logits = out.logits[0]  # (n, V)
-        return StepOutput(sampling, logits.float() if sampling else None)
+            return self.lean_forward(input_ids, position_ids, meta, keep)
+        out = self.model(
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
+            use_cache=False,
+            logits_to_keep=keep,
+            **{METADATA_KWARG: meta},
+        )
+        return out.logits[0]
 
     def _decode_batch(self, index: list[int], slots: list[torch.Tensor]) -> DecodeBatch | None:
         if not index:

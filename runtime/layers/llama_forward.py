@@ -13,6 +13,11 @@ keeps working on the same storage. With ``F.linear`` its outputs are bit-identic
 transformers'. Each product is asked of BLAS in the form a :class:`GemmPlan` timed fastest on
 this machine (``runtime/layers/gemm.py``), which changes only rounding; the tests assert tokens against
 ``generate()`` either way.
+
+With a quantized weight format (``runtime/layers/weights.py``) the fused matrices and the output
+head are quantized once, from the weights as loaded (float32), and the model's own copies are
+released: only this forward can run such a model. The products run in bfloat16; the residual
+stream and the norms stay float32.
 """
 
 from dataclasses import dataclass
@@ -22,7 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from runtime.layers.attention import METADATA_KWARG, AttentionMetadata, paged_attention_forward
-from runtime.layers.gemm import LINEAR, Shape, matmul, plan_for
+from runtime.layers.gemm import LINEAR, GemmPlan, Shape, matmul, plan_for
+from runtime.layers.weights import (
+    ACTIVATION_DTYPE,
+    HEAD_FORMAT,
+    QUANTIZED_FORMATS,
+    QuantizedWeight,
+    quantize,
+)
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 
@@ -46,16 +58,19 @@ class _Layer:
     attention: torch.nn.Module  # passed to the attention function (it reads layer_idx)
     input_norm_weight: torch.Tensor
     input_norm_eps: float
-    qkv_weight: torch.Tensor  # (H*D + 2*KVH*D, hidden)
+    qkv_weight: "Matrix"  # (H*D + 2*KVH*D, hidden)
     qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor
+    o_weight: "Matrix"
     o_bias: torch.Tensor | None
     post_norm_weight: torch.Tensor
     post_norm_eps: float
-    gate_up_weight: torch.Tensor  # (2*I, hidden)
+    gate_up_weight: "Matrix"  # (2*I, hidden)
     gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
+    down_weight: "Matrix"
     down_bias: torch.Tensor | None
+
+
+Matrix = torch.Tensor | QuantizedWeight
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -80,14 +95,77 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
+def _release(linears: list[torch.nn.Linear]) -> None:
+    """Drop the modules' weights once a packed copy holds them (an empty weight fails loudly if called)."""
+    for lin in linears:
+        lin.weight = torch.nn.Parameter(torch.empty(0, lin.in_features), requires_grad=False)
+
+
+def _pack(
+    model: Any, weights: str
+) -> tuple[Matrix, list[tuple[Matrix, Matrix, Matrix, Matrix]], list[tuple[torch.Tensor | None, ...]]]:
+    """The output head, each layer's (qkv, o, gate_up, down) matrices and its (qkv, gate_up) biases.
+
+    Float formats fuse in place (the modules become views); quantized ones quantize the fused
+    float32 weights, release the modules' copies and cast the rest of the model to bfloat16.
+    """
+    quantized = weights in QUANTIZED_FORMATS
+    head: Matrix = model.lm_head.weight
+    if quantized:
+        head = quantize(model.lm_head.weight, HEAD_FORMAT[weights])
+        if model.lm_head.weight is not model.model.embed_tokens.weight:  # a tied head keeps the embedding
+            _release([model.lm_head])
+    matrices: list[tuple[Matrix, Matrix, Matrix, Matrix]] = []
+    biases: list[tuple[torch.Tensor | None, ...]] = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_weight, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up_weight, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+        four: tuple[Matrix, Matrix, Matrix, Matrix] = (
+            qkv_weight,
+            attn.o_proj.weight,
+            gate_up_weight,
+            mlp.down_proj.weight,
+        )
+        if quantized:
+            four = tuple(quantize(w, weights) for w in four)  # type: ignore[assignment]
+            _release(
+                [
+                    attn.q_proj,
+                    attn.k_proj,
+                    attn.v_proj,
+                    attn.o_proj,
+                    mlp.gate_proj,
+                    mlp.up_proj,
+                    mlp.down_proj,
+                ]
+            )
+        matrices.append(four)
+        biases.append((qkv_bias, gate_up_bias))
+    if quantized:
+        embedding = model.model.embed_tokens.weight
+        embedding.data = embedding.data.to(ACTIVATION_DTYPE)  # looked up row by row: precision, not speed
+        # Biases join the kernels' bfloat16 outputs, which must stay bfloat16 up to attention.
+        for layer in model.model.layers:
+            for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                if lin.bias is not None:
+                    lin.bias.data = lin.bias.data.to(ACTIVATION_DTYPE)
+        biases = [tuple(None if b is None else b.to(ACTIVATION_DTYPE) for b in pair) for pair in biases]
+    return head, matrices, biases
+
+
 class LlamaFamilyForward:
-    def __init__(self, model: Any, tune_gemm: bool = True) -> None:
+    def __init__(self, model: Any, tune_gemm: bool = True, weights: str | None = None) -> None:
         """Fuse ``model``'s projections; with ``tune_gemm``, plan each product's form for them.
 
         The plan is made here, not passed in, because it is timed on the fused weights this
-        constructor builds. Without ``tune_gemm`` every product is ``F.linear``.
+        constructor builds. Without ``tune_gemm`` every product is ``F.linear``. ``weights`` is
+        the weight format (None: the model's dtype as loaded); a quantized one packs the matrices
+        and casts the rest of the model to bfloat16.
         """
         config = model.config
+        self.weights = weights or str(model.lm_head.weight.dtype).removeprefix("torch.")
+        self.lm_head_weight, matrices, biases = _pack(model, self.weights)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -95,13 +173,11 @@ class LlamaFamilyForward:
         self.rotary = model.model.rotary_emb
         self.final_norm_weight = model.model.norm.weight
         self.final_norm_eps = model.model.norm.variance_epsilon
-        self.lm_head_weight = model.lm_head.weight
         self.lm_head_bias = model.lm_head.bias
         self.layers: list[_Layer] = []
-        for layer in model.model.layers:
+        for layer, four, (qkv_bias, gate_up_bias) in zip(model.model.layers, matrices, biases, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv_weight, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up_weight, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+            qkv_weight, o_weight, gate_up_weight, down_weight = four
             self.layers.append(
                 _Layer(
                     attention=attn,
@@ -109,23 +185,34 @@ class LlamaFamilyForward:
                     input_norm_eps=layer.input_layernorm.variance_epsilon,
                     qkv_weight=qkv_weight,
                     qkv_bias=qkv_bias,
-                    o_weight=attn.o_proj.weight,
+                    o_weight=o_weight,
                     o_bias=attn.o_proj.bias,
                     post_norm_weight=layer.post_attention_layernorm.weight,
                     post_norm_eps=layer.post_attention_layernorm.variance_epsilon,
                     gate_up_weight=gate_up_weight,
                     gate_up_bias=gate_up_bias,
-                    down_weight=mlp.down_proj.weight,
+                    down_weight=down_weight,
                     down_bias=mlp.down_proj.bias,
                 )
             )
         self.scaling = model.model.layers[0].self_attn.scaling
-        self.gemm = plan_for(self.matrices(), enabled=tune_gemm)
+        # Packed weights have one kernel each; only float matrices have forms to choose between.
+        quantized = self.weights in QUANTIZED_FORMATS
+        # A quantized format multiplies in bfloat16 (its kernels' fast path) but keeps the residual
+        # stream and the norms in float32: rounding the residual to bfloat16 after every layer
+        # was most of the bfloat16 model's KL divergence from float32.
+        self.activation_dtype = ACTIVATION_DTYPE if quantized else self.embed_weight.dtype
+        self.residual_dtype = torch.float32 if quantized else self.embed_weight.dtype
+        self.gemm = GemmPlan() if quantized else plan_for(self.matrices(), enabled=tune_gemm)  # type: ignore[arg-type]
 
-    def matrices(self) -> list[torch.Tensor]:
+    def matrices(self) -> list[Matrix]:
         """Every weight this forward multiplies by, for the GEMM plan to time."""
         per_layer = [(la.qkv_weight, la.o_weight, la.gate_up_weight, la.down_weight) for la in self.layers]
         return [w for ws in per_layer for w in ws] + [self.lm_head_weight]
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of matrices one decode step reads (all of them, the head included; embedding rows aside)."""
+        return sum(w.nbytes for w in self.matrices())
 
     @staticmethod
     def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -147,8 +234,8 @@ class LlamaFamilyForward:
     ) -> torch.Tensor:
         """Logits (len(keep), V) at packed positions ``keep``; ``input_ids``, ``position_ids``: (T,)."""
         num_tokens = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed_weight)  # (T, hidden)
-        cos, sin = self.rotary(h[None], position_ids[None])  # (1, T, D) each
+        h = F.embedding(input_ids, self.embed_weight).to(self.residual_dtype)  # (T, hidden)
+        cos, sin = self.rotary(h[None].to(self.activation_dtype), position_ids[None])  # (1, T, D) each
         cos, sin = cos[0], sin[0]  # (T, D), broadcast over heads below
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -177,7 +264,10 @@ class LlamaFamilyForward:
 
 
 def _linear(
-    forms: dict[Shape, int], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    forms: dict[Shape, int], x: torch.Tensor, weight: Matrix, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``F.linear`` in the form the plan chose for this weight's shape (``forms_for``'s result)."""
-    return matmul(x, weight, bias, forms.get((weight.shape[0], weight.shape[1]), LINEAR))
+    """``F.linear`` in the form the plan chose for this weight's shape, or a packed weight's kernel."""
+    if isinstance(weight, torch.Tensor):
+        return matmul(x, weight, bias, forms.get((weight.shape[0], weight.shape[1]), LINEAR))
+    y = weight.matmul(x.to(ACTIVATION_DTYPE))  # a no-op where x is already bfloat16
+    return y if bias is None else y + bias
