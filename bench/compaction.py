@@ -39,6 +39,17 @@ the database byte for byte, both runs); ``facts_in_prompt`` (questions whose pro
 fact's original text); ``facts_answered_recall_on`` / ``_off`` (replies containing the fact's key);
 ``prefill_tokens_saved`` (sum of the engine's ``num_cached_tokens`` over the recall run's requests).
 
+The fact ledger (``memory/fact_ledger.py``): ``facts_in_summary`` (with recall off, questions
+whose prompt's summary section holds the fact's key, i.e. the kept-verbatim list or the prose
+kept it); ``ledger_tokens_mean`` (tokens of the kept-verbatim list per compaction, recall run);
+``facts_answered_paraphrased`` (two more replayed passes ask each question in words it shares
+with no planted fact: "Which digits open my depot unit?" for the locker code; this pass recalls
+through the ledger and full-text search) and ``facts_answered_paraphrased_fts_only`` (the same
+questions, recall by full-text search alone), all measured in the same run. The paraphrases use
+words of ``memory/lexicon.py``'s synonym groups, which were written with such questions in
+mind: the figure shows what the ledger lookup does when the lexicon covers the words, not how
+often it does for questions in the wild.
+
 ``targets`` judges the free-running rows; the proportion of int8 to the model dtype's live
 history (``live_history_tokens_ratio``: what the budget buys) and of live turns
 (``live_turns_ratio``) are each checked against the bytes-per-token ratio, within 15%.
@@ -86,6 +97,14 @@ FACTS = (
     ),
 )
 FACT_TURNS = (2, 4, 6, 8, 10)
+# Each question again, sharing no word with its fact (checked in ``paraphrased_script``).
+PARAPHRASES = (
+    "Which digits open my depot unit?",
+    "What name did I give for my sibling?",
+    "What passphrase gets me onto the lodge's network?",
+    "When is my dental checkup?",
+    "What do we call the confidential plan?",
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -141,6 +160,16 @@ def script(turns: int, user_words: int) -> list[str]:
     return messages
 
 
+def paraphrased_script(messages: list[str]) -> list[str]:
+    """The script with its five questions asked in other words than their facts'."""
+    from memory.lexicon import content_words
+
+    for fact, paraphrase in zip(FACTS, PARAPHRASES, strict=True):
+        shared = set(content_words(fact.text)) & set(content_words(paraphrase))
+        assert not shared, f"{paraphrase!r} shares {shared} with its fact"
+    return messages[: len(messages) - len(FACTS)] + list(PARAPHRASES)
+
+
 @dataclass(slots=True)
 class Conversation:
     """What one pass of the chat measured."""
@@ -155,7 +184,9 @@ class Conversation:
     compaction_turns: list[int] = field(default_factory=list)
     compaction_ms: list[float] = field(default_factory=list)
     facts_in_prompt: int = 0
+    facts_in_summary: int = 0  # questions whose prompt's summary section held the fact's key
     facts_answered: int = 0
+    ledger_tokens: list[int] = field(default_factory=list)  # the kept-verbatim list, per compaction
     messages_lost: int = 0
 
 
@@ -167,6 +198,7 @@ def converse(
     recall: bool,
     replay: list[str],
     request_replayed: bool,
+    ledger_recall: bool = True,
 ) -> Conversation:
     """One pass of the chat; with ``replay``, its replies are stored except for the questions.
 
@@ -174,12 +206,16 @@ def converse(
     ``--reply-tokens`` of generation, discarded), so the engine holds what a live chat holds.
     """
     from memory import ContextManager
+    from memory.fact_ledger import prose_of
+    from memory.prompt_layout import SUMMARY_HEADER
 
     out = Conversation()
 
     def on_event(event: Any) -> None:
         out.compaction_ms.append(event.duration_ms)
         out.summary_tokens.append(event.summary_tokens)
+        listed = (event.summary_text or "")[len(prose_of(event.summary_text)) :]
+        out.ledger_tokens.append(len(backend.tokenizer.encode(listed, add_special_tokens=False)))
 
     def on_request(kind: str, metrics: Any, kv_tokens: int) -> None:
         out.kv_tokens.append(kv_tokens)
@@ -192,6 +228,7 @@ def converse(
         budget=f"{args.budget_bytes}B",
         reserve_tokens=args.reserve_tokens,
         recall=recall,
+        ledger_recall=ledger_recall,
         max_summary_tokens=args.summary_tokens,
         on_event=on_event,
         on_request=on_request,
@@ -218,6 +255,8 @@ def converse(
             reply = ask(backend, prompt, args, out)
         if fact is not None:
             out.facts_in_prompt += any(fact.text in m["content"] for m in prompt.messages)
+            summary = [m["content"] for m in prompt.messages if m["content"].startswith(SUMMARY_HEADER)]
+            out.facts_in_summary += any(fact.key.lower() in text.lower() for text in summary)
             out.facts_answered += fact.key.lower() in reply.lower()
             common.log(f"  Q: {fact.question} -> {reply.strip()[:80]!r}")
         manager.add_assistant(reply)
@@ -293,6 +332,24 @@ def run_dtype(
         off = converse(
             backend, store, messages, args, recall=False, replay=on.replies, request_replayed=False
         )
+        paraphrased = paraphrased_script(messages)
+        engine.reset_prefix_cache()
+        common.log(f"{kv_dtype}: paraphrased questions, recall by the ledger and full-text search")
+        para = converse(
+            backend, store, paraphrased, args, recall=True, replay=on.replies, request_replayed=False
+        )
+        engine.reset_prefix_cache()
+        common.log(f"{kv_dtype}: paraphrased questions, recall by full-text search alone")
+        para_fts = converse(
+            backend,
+            store,
+            paraphrased,
+            args,
+            recall=True,
+            replay=on.replies,
+            request_replayed=False,
+            ledger_recall=False,
+        )
         store.close()
     window = steady_window(on.compaction_turns, len(messages) - len(FACTS) + 1)
     run = {
@@ -311,11 +368,17 @@ def run_dtype(
         "compactions": len(on.compaction_ms),
         "compaction_turns": on.compaction_turns,
         "compaction_ms_mean": round(mean(on.compaction_ms), 1) if on.compaction_ms else None,
-        "messages_lost": on.messages_lost + off.messages_lost,
+        "messages_lost": on.messages_lost + off.messages_lost + para.messages_lost + para_fts.messages_lost,
         "facts_in_prompt": on.facts_in_prompt,
         "facts_answered_recall_on": on.facts_answered,
         "facts_answered_recall_off": off.facts_answered,
         "facts_in_prompt_recall_off": off.facts_in_prompt,
+        "facts_in_summary": off.facts_in_summary,
+        "facts_answered_paraphrased": para.facts_answered,
+        "facts_answered_paraphrased_fts_only": para_fts.facts_answered,
+        "facts_in_prompt_paraphrased": para.facts_in_prompt,
+        "facts_in_prompt_paraphrased_fts_only": para_fts.facts_in_prompt,
+        "ledger_tokens_mean": round(mean(on.ledger_tokens), 1) if on.ledger_tokens else None,
         "prefill_tokens_saved": sum(on.cached_tokens),
         "requests": len(on.kv_tokens),
         "engine_stats": engine.stats().to_dict(),
@@ -330,6 +393,10 @@ def targets(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "no_message_lost": all(r["messages_lost"] == 0 for r in runs),
         "all_facts_in_prompt": all(r["facts_in_prompt"] == len(FACTS) for r in runs),
         "recall_helps": all(r["facts_answered_recall_on"] > r["facts_answered_recall_off"] for r in runs),
+        "all_facts_in_summary": all(r["facts_in_summary"] == len(FACTS) for r in runs),
+        "ledger_recall_gains_2": all(
+            r["facts_answered_paraphrased"] >= r["facts_answered_paraphrased_fts_only"] + 2 for r in runs
+        ),
     }
     by_dtype = {r["kv_dtype"]: r for r in runs}
     if "auto" in by_dtype and "int8" in by_dtype:
