@@ -33,6 +33,7 @@ def open_backend(config: AgentConfig) -> Backend:
         kv_pool=config.kv_pool,
         kv_disk=config.kv_disk,
         dtype=config.dtype,
+        weights=config.weights,
         kv_dtype=config.kv_dtype,
         k_dtype=config.k_dtype,
         v_dtype=config.v_dtype,

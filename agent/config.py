@@ -13,6 +13,7 @@ from runtime.models.registry import DEFAULT_MODEL
 # The engine's KV storage dtypes (runtime.kv.quant.KV_DTYPES), spelled out so that building the
 # CLI does not import torch; a test keeps the two equal.
 KV_DTYPES = ("auto", "int8", "fp8", "int4")
+WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")  # runtime.layers.weights.WEIGHT_FORMATS
 DEFAULT_KV_DISK = "2GiB"  # runtime.engine.config.DEFAULT_KV_DISK, for the same reason
 BACKENDS = ("local", "openai")
 
@@ -28,6 +29,7 @@ class AgentConfig:
     kv_pool: str | None = None
     kv_disk: str = DEFAULT_KV_DISK  # the prefix cache's disk tier; "0" keeps KV in memory only
     dtype: str = "auto"
+    weights: str = "auto"  # the engine's weight format; int8/int4 need dtype auto or bfloat16
     kv_dtype: str = "auto"
     k_dtype: str | None = None
     v_dtype: str | None = None
@@ -84,6 +86,14 @@ class AgentConfig:
         ):
             if value is not None and value not in KV_DTYPES:
                 raise ValueError(f"{flag} must be one of {', '.join(KV_DTYPES)}, got {value!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
+        if self.weights in ("int8", "int4") and self.dtype not in ("auto", "bfloat16"):
+            raise ValueError(
+                f"--weights {self.weights} runs with bfloat16 activations; drop --dtype {self.dtype}"
+            )
+        if self.weights in ("float32", "bfloat16") and self.dtype not in ("auto", self.weights):
+            raise ValueError(f"--weights {self.weights} and --dtype {self.dtype} disagree; give one of them")
         from runtime.sizes import parse_size
 
         if self.kv_pool is not None:

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 def add_agent_options(p: argparse.ArgumentParser) -> None:
     """The options ``run`` and ``chat`` share: model and backend, KV, sampling, tools, prices, db."""
-    from agent.config import KV_DTYPES
+    from agent.config import KV_DTYPES, WEIGHT_FORMATS
     from runtime.models.registry import DEFAULT_MODEL
 
     model = p.add_argument_group("model")
@@ -38,6 +38,13 @@ def add_agent_options(p: argparse.ArgumentParser) -> None:
         choices=("auto", "float32", "bfloat16"),
         default="auto",
         help="model dtype; auto is bfloat16 on CUDA, float32 on CPU",
+    )
+    model.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default="auto",
+        help="weight format (CPU, Llama family): float32, bfloat16, int8 (per channel) or int4 "
+        "(group 32), both with bfloat16 activations; auto keeps --dtype's float weights",
     )
 
     kv = p.add_argument_group("KV memory")
@@ -150,6 +157,7 @@ def agent_config(args: argparse.Namespace) -> "AgentConfig":
             kv_pool=args.kv_pool,
             kv_disk=args.kv_disk,
             dtype=args.dtype,
+            weights=args.weights,
             kv_dtype=args.kv_dtype,
             k_dtype=args.k_dtype,
             v_dtype=args.v_dtype,

@@ -13,8 +13,8 @@ import sys
 from collections.abc import Sequence
 
 from agent.cli.options import add_kv_disk_option
-from agent.config import KV_DTYPES
-from agent.errors import EXIT_FAILURE, EXIT_INTERRUPTED, error_line
+from agent.config import KV_DTYPES, WEIGHT_FORMATS
+from agent.errors import EXIT_FAILURE, EXIT_INTERRUPTED, UsageError, error_line
 from runtime.models.registry import DEFAULT_MODEL
 
 DEFAULT_HOST = "127.0.0.1"
@@ -65,6 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="model dtype; auto is bfloat16 on CUDA, float32 on CPU",
     )
     p.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default="auto",
+        help="weight format (CPU, Llama family): float32, bfloat16, int8 or int4; auto keeps --dtype's",
+    )
+    p.add_argument(
         "--kv-dtype",
         choices=KV_DTYPES,
         default="auto",
@@ -88,8 +94,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted. Raises ``ValueError`` (exit 1 at the CLI) for a missing key, a
     refused bind address or a busy port, before or instead of loading the model."""
+    from runtime.layers.weights import check_weight_format
     from runtime.serve.server import OpenAIServer, check_bind
 
+    try:
+        check_weight_format(args.weights, args.dtype)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
     api_key = read_api_key(args.api_key_env)
     check_bind(args.host, api_key)
 
@@ -100,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         kv_pool=args.kv_pool,
         kv_disk=args.kv_disk,
         dtype=args.dtype,
+        weights=args.weights,
         kv_dtype=args.kv_dtype,
         k_dtype=args.k_dtype,
         v_dtype=args.v_dtype,
