@@ -189,3 +189,23 @@ def test_run_json(default_model_path: Path, tmp_path: Path) -> None:
     assert payload["answer"] and payload["usage"]["prompt_tokens"] > 0
     assert payload["turns"][0]["finish_reason"] in ("stop", "length")
     assert payload["kv"]["tokens"] == payload["usage"]["prompt_tokens"] + payload["usage"]["generated_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "setting"),
+    [([], "auto"), (["--no-tools"], "off"), (["--tools", "on"], "on"), (["--tools", "off"], "off")],
+)
+def test_tools_flag_and_its_no_tools_alias(flags: list[str], setting: str) -> None:
+    import argparse
+
+    from agent.cli.options import add_agent_options, agent_config
+
+    parser = argparse.ArgumentParser()
+    add_agent_options(parser)
+    assert agent_config(parser.parse_args(flags)).tools == setting
+
+
+def test_tools_setting_is_validated() -> None:
+    assert AgentConfig(tools=True).tools == "on" and AgentConfig(tools=False).tools == "off"
+    with pytest.raises(ValueError, match="--tools must be one of auto, on, off"):
+        AgentConfig(tools="sometimes")
