@@ -39,7 +39,7 @@ def assert_one_error_line(stderr: str) -> None:
 def test_help() -> None:
     result = liubai("--help")
     assert result.returncode == 0
-    for command in ("chat", "run", "pull", "plan", "logs", "serve"):
+    for command in ("chat", "run", "pull", "plan", "logs", "serve", "kv"):
         assert command in result.stdout
     run_help = liubai("run", "--help")
     for flag in (
@@ -51,6 +51,7 @@ def test_help() -> None:
         "--top-p",
         "--seed",
         "--kv-pool",
+        "--kv-disk",
         "--dtype",
         "--kv-dtype",
         "--k-dtype",
@@ -97,6 +98,7 @@ def test_unknown_flag_exits_2() -> None:
         (["--max-tokens", "0"], "--max-tokens"),
         (["--temperature", "-1"], "--temperature"),
         (["--kv-pool", "lots"], "not a size"),
+        (["--kv-disk", "lots"], "--kv-disk: not a size"),
     ],
 )
 def test_bad_values_are_usage_errors(flags: list[str], fragment: str) -> None:

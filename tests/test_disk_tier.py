@@ -285,3 +285,27 @@ def test_run_session_resumed_in_a_new_process_starts_warm(default_model_path: Pa
     assert u["cached_tokens"] % BS == 0 and u["cached_tokens"] < u["prompt_tokens"]
     assert cold["usage"]["cached_tokens"] == 0
     assert resumed["answer"] == cold["answer"]
+
+
+def test_liubai_kv_shows_the_tier_and_clears_it(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, "fp", limit_bytes=10 * FILE_SIZE, bytes_per_block=BPB)
+    for n in (1, 2, 3):
+        save(tier, n)
+    tier.close()
+    env = {**os.environ, "LIUBAI_KV_DISK_DIR": str(tmp_path)}
+
+    def kv(*args: str) -> dict:
+        run = subprocess.run(
+            [sys.executable, "-m", "agent.cli", "kv", "--json", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout)
+
+    shown = kv()
+    assert (shown["blocks"], shown["bytes"]) == (3, 3 * FILE_SIZE)
+    assert shown["fingerprints"] == [{"fingerprint": "fp", "blocks": 3, "bytes": 3 * FILE_SIZE}]
+    assert kv("clear") == {"root": str(tmp_path), "removed_blocks": 3, "removed_bytes": 3 * FILE_SIZE}
+    assert kv()["blocks"] == 0 and block_files(tmp_path) == []
