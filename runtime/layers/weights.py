@@ -148,8 +148,11 @@ def int4_codes(
     w = weight.detach().float().view(n, k // group_size, group_size)  # (N, G, group)
     low, high = w.amin(dim=-1), w.amax(dim=-1)  # (N, G)
     steps = _grid_steps(w, low, high)
-    scales = ((high - low) / steps).clamp(min=torch.finfo(torch.float32).tiny).to(ACTIVATION_DTYPE)
-    zeros = (low + 8 * scales.float()).to(ACTIVATION_DTYPE)
+    exact_scales = ((high - low) / steps).clamp(min=torch.finfo(torch.float32).tiny)
+    scales = exact_scales.to(ACTIVATION_DTYPE)
+    # The zero from the exact scale: the scale's rounding then errs in opposite directions either
+    # side of code 8 (at most 8 of its roundings) instead of piling up towards code 15.
+    zeros = (low + 8 * exact_scales).to(ACTIVATION_DTYPE)
     base = zeros.float() - 8 * scales.float()  # the grid's code-0 value after rounding
     codes = torch.round((w - base[..., None]) / scales.float()[..., None]).clamp(0, 15)
     return codes.to(torch.int32).view(n, k), scales, zeros
