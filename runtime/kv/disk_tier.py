@@ -228,7 +228,8 @@ class DiskTier:
             if path in self._files:
                 return
         token_bytes = np.asarray(tokens, dtype="<i8").tobytes()
-        crc = zlib.crc32(payload, zlib.crc32(token_bytes, zlib.crc32(digest)))
+        data = payload.data  # the array's buffer, written as is
+        crc = zlib.crc32(data, zlib.crc32(token_bytes, zlib.crc32(digest)))
         header = _HEADER.pack(MAGIC, LAYOUT_VERSION, len(tokens), payload.nbytes, crc)
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
@@ -236,7 +237,7 @@ class DiskTier:
                 f.write(header)
                 f.write(digest)
                 f.write(token_bytes)
-                f.write(memoryview(payload))
+                f.write(data)
             os.replace(tmp, path)  # atomic: readers see the old state or the whole file
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -286,7 +287,7 @@ class DiskTier:
             with open(path, "rb") as f:
                 header = f.read(_HEADER.size)
                 body_head = f.read(DIGEST_SIZE + len(token_bytes))
-                view = memoryview(out.numpy())
+                view = out.numpy().data
                 num_read = f.readinto(view)
                 trailing = f.read(1)
         except FileNotFoundError:
