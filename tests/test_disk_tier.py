@@ -309,3 +309,24 @@ def test_liubai_kv_shows_the_tier_and_clears_it(tmp_path: Path) -> None:
     assert shown["fingerprints"] == [{"fingerprint": "fp", "blocks": 3, "bytes": 3 * FILE_SIZE}]
     assert kv("clear") == {"root": str(tmp_path), "removed_blocks": 3, "removed_bytes": 3 * FILE_SIZE}
     assert kv()["blocks"] == 0 and block_files(tmp_path) == []
+
+
+def test_tier_stats_reach_the_pool_panel_and_metrics() -> None:
+    from runtime.engine.metrics import EngineStats
+    from runtime.serve.metrics import ServerMetrics
+    from tui.widgets.pool_panel import _disk_line
+
+    base = dict(block_size=16, num_blocks_total=8, num_blocks_used=0, num_blocks_cached=0, num_blocks_free=8,
+                kv_tokens_in_use=0, kv_bytes_in_use=0, kv_pool_bytes=8, bytes_per_token=1, k_dtype="int8",
+                v_dtype="int8", prefix_queried_tokens=0, prefix_hit_tokens=0, prefix_hittable_tokens=0,
+                num_preemptions=0, max_batch_size=0, num_running=0, num_waiting=0)  # fmt: skip
+    disk = dict(
+        kv_disk_limit_bytes=2 * 1024**3, kv_disk_blocks=12, kv_disk_bytes=3 * 1024**2, kv_disk_hit_tokens=192
+    )
+    stats = EngineStats(**base, **disk, kv_disk_evicted_blocks=5)  # type: ignore[arg-type]
+    assert _disk_line(stats) == "disk 12 blocks · 3.0 MiB/2.0 GiB · hit 192 tok"
+    text = ServerMetrics().render(stats, "m")
+    assert 'liubai:kv_disk_bytes{model_name="m"} 3145728' in text
+    assert 'liubai:kv_disk_hits_total{model_name="m"} 192' in text
+    assert 'liubai:kv_disk_evictions_total{model_name="m"} 5' in text
+    assert "kv_disk" not in ServerMetrics().render(EngineStats(**base), "m")  # type: ignore[arg-type]
