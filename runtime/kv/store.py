@@ -92,10 +92,10 @@ class FullStore:
     def own_blocks(self, layer: int, blocks: torch.Tensor, stages: torch.Tensor) -> torch.Tensor:
         return self._blocks(layer).index_select(1, blocks)  # (KVH, B, bs, D)
 
-    def block_bytes(self, layer: int) -> tuple[torch.Tensor, ...]:
-        """The layer's stored blocks as raw bytes, (KVH, num_blocks, ...) uint8 views: what a block
-        file holds."""
-        return (self._blocks(layer).view(torch.uint8),)  # (KVH, blocks, bs, D * itemsize)
+    def block_parts(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The layer's stored blocks, (KVH, num_blocks, ...) views in their stored dtype: what a
+        block file holds."""
+        return (self._blocks(layer),)  # (KVH, blocks, bs, D)
 
 
 class QuantStore:
@@ -177,10 +177,10 @@ class QuantStore:
     def own_rows(self, layer: int, pool_slots: torch.Tensor, stage_slots: torch.Tensor) -> torch.Tensor:
         return self.staging[layer].index_select(1, stage_slots)  # (KVH, n, D)
 
-    def block_bytes(self, layer: int) -> tuple[torch.Tensor, ...]:
-        """The layer's sealed blocks as raw bytes, one (KVH, num_blocks, ...) uint8 view per part:
-        quantized blocks stay quantized on disk (staging is never saved: only sealed blocks are)."""
-        return tuple(part.view(torch.uint8) for part in self.parts[layer])
+    def block_parts(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The layer's sealed blocks, one (KVH, num_blocks, ...) tensor per part: quantized blocks
+        stay quantized on disk (staging is never saved: only sealed blocks are)."""
+        return self.parts[layer]
 
     def own_blocks(self, layer: int, blocks: torch.Tensor, stages: torch.Tensor) -> torch.Tensor:
         return self._staged_blocks(layer).index_select(1, stages)  # (KVH, B, bs, D)
