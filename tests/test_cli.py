@@ -98,6 +98,8 @@ def test_unknown_flag_exits_2() -> None:
         (["--max-tokens", "0"], "--max-tokens"),
         (["--temperature", "-1"], "--temperature"),
         (["--kv-pool", "lots"], "not a size"),
+        (["--dtype", "float32", "--weights", "int4"], "bfloat16 activations"),
+        (["--dtype", "bfloat16", "--weights", "float32"], "disagree"),
         (["--kv-disk", "lots"], "--kv-disk: not a size"),
     ],
 )
@@ -121,6 +123,18 @@ def seen_runs(monkeypatch: pytest.MonkeyPatch) -> Seen:
 
     monkeypatch.setattr(headless, "run_headless", fake)
     return seen
+
+
+def test_weights_flag_reaches_the_config(seen_runs: Seen) -> None:
+    from agent.config import WEIGHT_FORMATS as CONFIG_WEIGHT_FORMATS
+    from runtime.layers.weights import WEIGHT_FORMATS
+
+    assert CONFIG_WEIGHT_FORMATS == WEIGHT_FORMATS
+    assert cli.main(["run", "hi", "--weights", "int4"]) == 0
+    assert seen_runs[0][0].weights == "int4"
+    bad = liubai("serve", "--dtype", "float32", "--weights", "int8")
+    assert bad.returncode == 2
+    assert_one_error_line(bad.stderr)
 
 
 def test_kv_dtype_flags_reach_the_config(seen_runs: Seen) -> None:
