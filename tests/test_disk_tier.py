@@ -90,7 +90,9 @@ def test_other_numbers_never_hit_each_others_blocks(
 ) -> None:
     root = tmp_path / "kv"
     warm_up(tiny_llama_path, root)
-    out = engine(tiny_llama_path, root, **other).generate(PROMPT, GREEDY)[0]
+    e = engine(tiny_llama_path, root, **other)
+    out = e.generate(PROMPT, GREEDY)[0]
+    e.close()  # its own blocks are on disk now, beside the first engine's
     assert out.metrics.num_disk_cached_tokens == 0
     assert len({p.parent for p in block_files(root)}) == 2  # a fingerprint directory each
 
