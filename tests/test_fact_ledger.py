@@ -172,3 +172,38 @@ def test_question_sharing_no_word_reaches_the_turn_through_the_ledger(tokenizer:
         prompt = manager.next_prompt()
         assert ([h.content for h in prompt.recalled] == [fact]) is found
         assert any(fact in m["content"] and "Recalled" in m["content"] for m in prompt.messages) is found
+
+
+# -- the issue's chat on the real default model -----------------------------------------------
+
+
+@pytest.mark.model
+def test_issue_chat_on_the_default_model_keeps_the_names(default_model_path: Path, tmp_path: Path) -> None:
+    """``liubai chat --kv-budget 1200tok``, scripted: six turns, ``/compact keep the names``, then
+    a question; with recall off, the names are in the prompt through the kept-verbatim list,
+    whatever the 135M model wrote as its summary."""
+    from runtime import Engine, SamplingParams
+    from runtime.backends.backend import LocalBackend
+
+    backend = LocalBackend(Engine(model=str(default_model_path), kv_pool="64MiB"))
+    manager = ContextManager.create(
+        Store(tmp_path / "t.db"), backend, budget="1200tok", reserve_tokens=64, recall=False
+    )
+    share = int(manager.budget.tokens * manager.budget.summary_share)
+    for text in ISSUE_CHAT:
+        manager.add_user(text)
+        prompt = manager.next_prompt()
+        assert prompt.sections["summary"] <= share
+        reply = "".join(d.text for d in backend.stream(prompt.chat_prompt(), SamplingParams(max_tokens=16)))
+        manager.add_assistant(reply)
+    event = manager.compact("keep the names")
+    assert event is not None and {"Ada", "Pixel"} <= {f["text"] for f in event.ledger} | {
+        w for w in ("Ada", "Pixel") if w in (manager.summary or "")
+    }
+
+    manager.add_user("What is my pet's name?")
+    prompt = manager.next_prompt()
+    assert prompt.sections["summary"] <= share and prompt.sections["recalled"] == 0
+    text = "\n".join(m["content"] for m in prompt.messages)
+    assert "Ada" in text and "Pixel" in text
+    assert all(m.state == "summarized" for m in manager.messages() if m.turn <= len(ISSUE_CHAT))
