@@ -289,6 +289,7 @@ class AgentSession:
             "bytes_per_token": bytes_per_token,
             "k_dtype": k_dtype,
             "v_dtype": v_dtype,
+            "weights": self.backend.weight_format,
         }
 
     def _record(self, kind: str, metrics: RequestMetrics, kv_tokens: int, finish_reason: str | None) -> Cost:

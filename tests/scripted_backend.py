@@ -35,6 +35,10 @@ class ScriptedBackend:
         return "float32", "float32"
 
     @property
+    def weight_format(self) -> str:
+        return "float32"
+
+    @property
     def max_context_tokens(self) -> int:
         return 8192
 

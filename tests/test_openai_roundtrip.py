@@ -74,7 +74,7 @@ def test_same_answers_through_both_backends(
     # Bytes are unknown behind an HTTP API: the budget is in tokens and bytes are reported as unknown.
     assert remote["kv"]["budget_tokens"] == 4096
     assert remote["kv"]["bytes"] is None and remote["kv"]["budget_bytes"] is None
-    assert remote["kv"]["k_dtype"] is None
+    assert remote["kv"]["k_dtype"] is None and remote["kv"]["weights"] is None
 
 
 def test_remote_model_without_a_local_tokenizer_is_counted_and_labelled(

@@ -48,6 +48,10 @@ class Backend(Protocol):
         """(K storage, V storage) names, or None where unknown."""
 
     @property
+    def weight_format(self) -> str | None:
+        """How the model's weights are stored (float32, bfloat16, int8, int4), or None where unknown."""
+
+    @property
     def max_context_tokens(self) -> int | None:
         """The most tokens one conversation's KV can hold (the model's context, within the KV
         pool), or None when the backend cannot know."""
@@ -84,6 +88,10 @@ class LocalBackend:
     @property
     def kv_dtypes(self) -> tuple[str, str]:
         return self.engine.kv_cache.k_dtype, self.engine.kv_cache.v_dtype
+
+    @property
+    def weight_format(self) -> str:
+        return str(self.engine.weight_format)
 
     @property
     def max_context_tokens(self) -> int:

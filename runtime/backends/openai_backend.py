@@ -103,6 +103,10 @@ class OpenAIBackend:
     def kv_dtypes(self) -> tuple[None, None]:
         return None, None
 
+    @property
+    def weight_format(self) -> None:
+        return None
+
     @cached_property
     def max_context_tokens(self) -> int | None:
         """This model's context on the server, where its ``GET /v1/models`` card states one
