@@ -306,7 +306,9 @@ def test_metrics_are_prometheus_text_and_move_with_traffic(
         "vllm:request_success_total": "counter",
         "vllm:time_to_first_token_seconds": "histogram",
         "vllm:inter_token_latency_seconds": "histogram",
+        "liubai:weights_info": "gauge",
     }.items() <= types.items()
+    assert 'liubai:weights_info{model_name="' in raw.decode() and 'format="float32"} 1' in raw.decode()
 
     before = scrape(server)
     reply = client.completions.create(

@@ -109,6 +109,12 @@ class ServerMetrics:
             stats.kv_bytes_in_use,
         )
         out.gauge("liubai:kv_cache_pool_bytes", "Bytes of the whole KV pool.", stats.kv_pool_bytes)
+        out.info(
+            "liubai:weights",
+            "How the model's weights are stored, as the format label.",
+            "format",
+            stats.weight_format,
+        )
         if stats.kv_disk_limit_bytes:
             out.gauge(
                 "liubai:kv_disk_blocks", "Block files in the prefix cache's disk tier.", stats.kv_disk_blocks
@@ -166,6 +172,11 @@ class _Exposition:
     def gauge(self, name: str, help_text: str, value: float) -> None:
         self._family(name, "gauge", help_text)
         self._sample(name, value)
+
+    def info(self, name: str, help_text: str, label: str, value: str) -> None:
+        """A constant 1 carrying ``value`` as a label: Prometheus' way to expose a name."""
+        self._family(f"{name}_info", "gauge", help_text)
+        self._sample(f"{name}_info", 1, {label: value})
 
     def counter(self, name: str, help_text: str, value: float) -> None:
         self._family(f"{name}_total", "counter", help_text)
