@@ -6,6 +6,7 @@ perplexity over a held text) and checks that int4 holds its Q4_1 weights (nearly
 """
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -97,7 +98,7 @@ def test_weight_bytes_shrink_with_the_format(tiny_llama_path: Path, tiny_float32
         ({"weights": "int8", "forward": "transformers"}, "lean forward"),
     ],
 )
-def test_impossible_combinations_are_one_line_errors(options: dict[str, str], fragment: str) -> None:
+def test_impossible_combinations_are_one_line_errors(options: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment) as caught:
         EngineConfig(**options)
     assert "\n" not in str(caught.value)

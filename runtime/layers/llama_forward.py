@@ -121,14 +121,11 @@ def _pack(
         attn, mlp = layer.self_attn, layer.mlp
         qkv_weight, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         gate_up_weight, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
-        four: tuple[Matrix, Matrix, Matrix, Matrix] = (
-            qkv_weight,
-            attn.o_proj.weight,
-            gate_up_weight,
-            mlp.down_proj.weight,
-        )
+        dense = (qkv_weight, attn.o_proj.weight, gate_up_weight, mlp.down_proj.weight)
+        four: tuple[Matrix, Matrix, Matrix, Matrix] = dense
         if quantized:
-            four = tuple(quantize(w, weights) for w in four)  # type: ignore[assignment]
+            qkv, o, gate_up, down = (quantize(w, weights) for w in dense)
+            four = (qkv, o, gate_up, down)
             _release(
                 [
                     attn.q_proj,
