@@ -55,6 +55,10 @@ class ReplayBackend:
         return (None, None) if self.remote else ("bfloat16", "int8")
 
     @property
+    def weight_format(self) -> str | None:
+        return None if self.remote else "bfloat16"
+
+    @property
     def max_context_tokens(self) -> int | None:
         return None if self.remote else 8192
 
@@ -152,7 +156,11 @@ async def send(pilot: Pilot[None], text: str) -> None:
     """Put ``text`` in the input, press Enter, and wait until the app is idle again."""
     app = pilot.app
     assert isinstance(app, LiubaiApp)
-    app.chat.query_one("#prompt", Input).value = text
+    prompt = app.chat.query_one("#prompt", Input)
+    # A blinking cursor is on or off depending on when the screenshot lands (a loaded machine
+    # lands it in the off phase): hold it on.
+    prompt.cursor_blink = False
+    prompt.value = text
     await pilot.press("enter")
     for _ in range(6000):  # generous: a loaded CI machine must not snapshot a turn half done
         if app.chat.busy is None:
