@@ -307,6 +307,7 @@ class AgentSession:
                 "v_dtype": v_dtype,
                 "prompt_tokens": metrics.num_prompt_tokens,
                 "cached_tokens": metrics.num_cached_tokens,
+                "disk_cached_tokens": metrics.num_disk_cached_tokens,
                 "prefilled_tokens": metrics.num_prefilled_tokens,
                 "generated_tokens": metrics.num_generated_tokens,
                 "queue_ms": metrics.queue_ms,

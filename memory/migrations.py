@@ -142,3 +142,10 @@ def m003_compaction_ledger(db: sqlite_utils.Database) -> None:
     recorded before the ledger existed, read back as an empty list) and how many it folded."""
     db["compactions"].add_column("ledger", str)  # type: ignore[union-attr]
     db["compactions"].add_column("num_facts_folded", int)  # type: ignore[union-attr]
+
+
+@migration
+def m004_request_disk_hits(db: sqlite_utils.Database) -> None:
+    """Of each request's cached tokens, how many the prefix cache's disk tier loaded (0 in
+    requests recorded before the tier existed: they had none)."""
+    db["requests"].add_column("disk_cached_tokens", int, not_null_default=0)  # type: ignore[union-attr]

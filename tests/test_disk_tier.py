@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from memory.store import Store
 from runtime import Engine
 from runtime.engine.sampling import SamplingParams
 from runtime.kv.digest import block_digest
@@ -287,6 +288,10 @@ def test_run_session_resumed_in_a_new_process_starts_warm(default_model_path: Pa
     assert u["cached_tokens"] % BS == 0 and u["cached_tokens"] < u["prompt_tokens"]
     assert cold["usage"]["cached_tokens"] == 0
     assert resumed["answer"] == cold["answer"]
+    # The store keeps the split for `liubai logs show`: the resumed turn's request, disk hits and all.
+    [last] = Store(db).requests(first["session_id"])[-1:]
+    assert last["cached_tokens"] == u["cached_tokens"]
+    assert last["disk_cached_tokens"] == u["disk_cached_tokens"]
 
 
 def test_liubai_kv_shows_the_tier_and_clears_it(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ SCHEMA = {
         "id", "session_id", "created", "kind", "turn", "model", "backend", "k_dtype", "v_dtype",
         "prompt_tokens", "cached_tokens", "prefilled_tokens", "generated_tokens", "queue_ms", "prefill_ms",
         "ttft_ms", "decode_ms", "prefill_tok_s", "decode_tok_s", "kv_tokens", "kv_bytes", "budget_tokens",
-        "compute_s", "cost_usd", "finish_reason", "interrupted", "token_source",
+        "compute_s", "cost_usd", "finish_reason", "interrupted", "token_source", "disk_cached_tokens",
     ],
     "_migrations": ["name", "applied_at"],
 }  # fmt: skip
