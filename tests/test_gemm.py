@@ -28,12 +28,15 @@ def test_every_form_computes_the_linear_product(rows: int, with_bias: bool) -> N
     assert torch.equal(matmul(x, weight, bias, LINEAR), F.linear(x, weight, bias))
 
 
-def test_row_counts_map_to_the_largest_bucket_not_above_them() -> None:
+def test_row_counts_map_to_the_smallest_bucket_not_below_them() -> None:
     entries = (1, LINEAR, 2, LINEAR, 8, LINEAR, 32)  # buckets 1, 4, 16, 64 weight-major
     plan = GemmPlan({(512, 256): entries, (256, 512): (LINEAR,) * len(ROW_BUCKETS)})
     assert plan.forms_for(1) == {(512, 256): 1}
-    assert plan.forms_for(3) == {}  # bucket 2
-    assert plan.forms_for(7) == {(512, 256): 2}  # bucket 4
+    assert plan.forms_for(2) == {}  # bucket 2
+    assert plan.forms_for(3) == {(512, 256): 2}  # bucket 4
+    assert plan.forms_for(7) == {}  # bucket 8
+    assert plan.forms_for(24) == {}  # bucket 32: a short prefill over a cached chat
+    assert plan.forms_for(33) == {(512, 256): 32}  # bucket 64
     assert plan.forms_for(64) == {(512, 256): 32}
     assert plan.forms_for(65) == {}  # prefill-sized: always F.linear
     assert GemmPlan.from_json(plan.to_json()).chunks == plan.chunks

@@ -11,8 +11,10 @@ CPU with AMX, ``F.linear`` was already at 0.8 of the memory bandwidth. So nothin
 when the engine loads a model on the CPU it times the forms on the model's own weights, shape
 by shape, for each power-of-two row count up to :data:`ROW_BUCKETS`'s last (decode-sized
 batches; a prefill of more rows is compute-bound and keeps ``F.linear``), and keeps the
-fastest. The choice is cached on disk, keyed by CPU, torch version, thread count, dtype and
-shapes, so the timing runs once per machine.
+fastest. A row count between two buckets takes the larger bucket's form: a form timed fastest
+for 16 rows ran 24 or 29 rows (a short prefill over a cached chat) 1.7-1.9x slower than
+``F.linear``, which the 32-row timing picks. The choice is cached on disk, keyed by CPU, torch
+version, thread count, dtype and shapes, so the timing runs once per machine.
 
 Plans are kept in ``gemm/`` under liubai's cache dir (``runtime/paths.py``), or in the directory
 named by ``LIUBAI_GEMM_PLAN_DIR`` when it is set: the tests point it at a temporary directory, so
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 
 PLAN_DIR_ENV = "LIUBAI_GEMM_PLAN_DIR"
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-LINEAR = 0  # a plan entry: F.linear; any other entry n: weight-major in chunks of at most n rows
+LINEAR = 0  # a plan entry: F.linear; any other entry n: weight-major in chunks of about n rows
 # Below this many weight elements a product costs microseconds whichever form it takes.
 MIN_TUNED_ELEMENTS = 1 << 17
 # A weight-major form is chosen only when it is clearly faster: a close call would flip between runs.
@@ -54,8 +56,12 @@ def matmul(
     if x.shape[0] == 1:
         y = torch.mm(weight, F.pad(x, (0, 0, 0, 1)).T)[:, :1].T  # one row padded to two
     else:
+        # Near-equal parts of about ``chunk`` rows, never a lone row: a one-column product takes
+        # the matrix-vector path, which streams the weight at half the rate.
+        rows = x.shape[0]
+        parts = max(1, min(-(-rows // chunk), rows // 2))
         # part.T is the rows' own storage read column-major: no copy before the product.
-        y = torch.cat([torch.mm(weight, part.T).T for part in x.split(chunk)])
+        y = torch.cat([torch.mm(weight, part.T).T for part in x.tensor_split(parts)])
     y = y.contiguous()
     return y if bias is None else y + bias
 
@@ -95,10 +101,10 @@ class GemmPlan:
 
 
 def _bucket(rows: int) -> int | None:
-    """Index of the largest ROW_BUCKETS entry not above ``rows``; None beyond the last."""
+    """Index of the smallest ROW_BUCKETS entry not below ``rows``; None beyond the last."""
     if rows > ROW_BUCKETS[-1]:
         return None
-    return rows.bit_length() - 1
+    return (rows - 1).bit_length()
 
 
 def plan_for(weights: Iterable[torch.Tensor], enabled: bool = True) -> GemmPlan:
