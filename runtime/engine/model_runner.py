@@ -6,8 +6,13 @@ Logits are computed only at each sequence's last token, and only for sequences t
 the end of their known tokens in this step (a prefill chunk that stops mid-prompt samples
 nothing). Before the forward the runner tells the KV cache a step begins
 (:meth:`KVCache.begin_step`), so a quantized cache plans the step's writes once for every layer.
+
+A pure-decode step (every sequence adds its one next token) runs the compiled decode graph of
+its batch bucket when the engine asked for one (``runtime/layers/compiled_step.py``); any other
+step, and every step after compiling failed, runs the forward eagerly.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +21,7 @@ from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import Sequence
 from runtime.kv.cache import KVCache
 from runtime.layers.attention import METADATA_KWARG, AttentionMetadata, DecodeBatch, PrefillSpan
+from runtime.layers.compiled_step import CompiledDecodeStep
 from runtime.layers.llama_forward import LlamaFamilyForward, supports
 
 
@@ -34,7 +40,12 @@ class ModelRunner:
         forward: str = "auto",
         gemm: str = "auto",
         weights: str | None = None,
+        compile_decode: bool = False,
+        max_num_seqs: int = 1,
+        on_notice: Callable[[str], None] | None = None,
     ) -> None:
+        """``compile_decode``: run pure-decode steps through compiled graphs (the engine checked
+        that the lean forward applies and that ``kv_cache`` has a scratch slot)."""
         self.model = model
         # The lean forward where it reproduces the model exactly; transformers' own otherwise.
         # ``weights`` (a weight format) is the lean forward's; the engine has checked it applies.
@@ -46,6 +57,9 @@ class ModelRunner:
         self.device = device
 
         self._block_offsets = torch.arange(self.block_size, device=device)
+        self.compiled_step: CompiledDecodeStep | None = None
+        if compile_decode and self.lean_forward is not None:
+            self.compiled_step = CompiledDecodeStep(self.lean_forward, kv_cache, max_num_seqs, on_notice)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -60,6 +74,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
+        if self.compiled_step is not None and self.compiled_step.enabled:
+            compiled = self._execute_compiled(self.compiled_step, batch)
+            if compiled is not None:
+                return compiled
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -100,6 +118,27 @@ class ModelRunner:
         keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
         logits = self.forward(ids[0], pos[0], meta, keep_index)  # (n, V)
         return StepOutput(sampling, logits.float() if sampling else None)
+
+    def _execute_compiled(self, step: CompiledDecodeStep, batch: ScheduledBatch) -> StepOutput | None:
+        """A pure-decode batch through its bucket's graph; None for any other step (or no graph)."""
+        if step.bucket_for(len(batch.seqs)) is None:
+            return None
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        contexts: list[torch.Tensor] = []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            if num_new != 1 or start == 0 or start + 1 != len(seq):
+                return None
+            input_ids.append(seq.token_ids[start])
+            positions.append(start)
+            slots.extend(self._slots(seq, start, start + 1))
+            contexts.append(self._context_slots(seq, start + 1))
+        logits = step(step.pad(input_ids, positions, slots, contexts))  # (bucket, V) float32
+        if logits is None:
+            return None
+        return StepOutput(list(batch.seqs), logits[: len(batch.seqs)])
 
     @torch.inference_mode()
     def forward(

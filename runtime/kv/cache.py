@@ -93,16 +93,31 @@ Store = FullStore | QuantStore
 
 
 class KVCache:
-    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, layout: KVLayout, num_blocks: int, block_size: int, device: torch.device,
+        scratch_block: bool = False,
+    ) -> None:  # fmt: skip
+        """A pool of ``num_blocks`` blocks; with ``scratch_block`` (full-precision pools only) one
+        more block past them that the block manager never hands out: the compiled decode step's
+        padded rows write there (``runtime/layers/compiled_step.py``)."""
         if layout.block_size != block_size:
             raise ValueError(f"layout block size {layout.block_size} != pool block size {block_size}")
+        if scratch_block and layout.quantized:
+            raise ValueError("a scratch block is for full-precision KV pools only")
         self.layout = layout
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
         self.quantized = layout.quantized
-        self.key_store = self._store(layout.k_codec)
-        self.value_store = self._store(layout.v_codec)
+        # The first slot of the scratch block, or None without one.
+        self.scratch_slot: int | None = num_blocks * block_size if scratch_block else None
+        self.key_store = self._store(layout.k_codec, num_blocks + scratch_block)
+        self.value_store = self._store(layout.v_codec, num_blocks + scratch_block)
+        if scratch_block:
+            for store in (self.key_store, self.value_store):
+                assert isinstance(store, FullStore)
+                for layer in store.cache:
+                    layer[:, num_blocks * block_size :].zero_()  # read under the mask: keep it finite
 
         # Staging bookkeeping: which block holds which stage, and the same as a tensor (-1: none)
         # so reads look stages up without Python.
@@ -116,8 +131,8 @@ class KVCache:
         self._span_plans: dict[int, SpanPlan] = {}  # a prefill span's first packed index -> plan
         self._decode_plan: DecodePlan | None = None
 
-    def _store(self, codec: Codec | None) -> Store:
-        lay, n, bs = self.layout, self.num_blocks, self.block_size
+    def _store(self, codec: Codec | None, n: int) -> Store:
+        lay, bs = self.layout, self.block_size
         if codec is None:
             return FullStore(lay.num_layers, lay.num_kv_heads, n, bs, lay.head_dim, lay.dtype, self.device)
         return QuantStore(
@@ -136,7 +151,8 @@ class KVCache:
 
     @property
     def pool_nbytes(self) -> int:
-        """Bytes actually allocated for the pool: equals ``num_blocks * bytes_per_block``."""
+        """Bytes actually allocated for the pool: ``num_blocks * bytes_per_block``, plus one block
+        with a scratch block."""
         return self.key_store.nbytes() + self.value_store.nbytes()
 
     @property

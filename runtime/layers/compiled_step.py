@@ -1,0 +1,350 @@
+"""The lean forward's decode step compiled by inductor, one graph per batch-size bucket.
+
+A pure-decode step (one new token per sequence, every sequence sampled) has the same shape
+every token except for its batch size and its longest context. This module turns that step —
+embedding, 30-odd layers, the output head, up to the float32 logits — into one inductor graph:
+
+- **Weights frozen.** :class:`DecodeGraph` holds every matrix as a buffer of one module, so
+  inductor's ``freezing`` folds them into the graph as constants: float32 and bfloat16 linears
+  get oneDNN/MKL prepacked weights once instead of a layout copy per call, and the int8 / int4
+  kernels (``runtime/layers/weights.py``) are called directly with no Python between them.
+- **Batch padded to a bucket.** The batch dimension is static: a step of B sequences runs the
+  graph of the smallest bucket (1, 2, 4, 8, ...) that holds it, one graph each, compiled the first
+  time its bucket is used. Padded rows write their K/V to the pool's scratch slot, which no
+  sequence owns (``KVCache.scratch_slot``), and attend only to it.
+- **Context length dynamic.** The context dimension is marked dynamic, so a growing context
+  reuses the bucket's graph. (Padding it to multiples of 64 with static graphs instead costs a
+  recompile every 64 tokens and measured no faster per step; see the README.)
+
+The K/V write happens inside the graph (``index_copy_`` into the pool's layer tensors, which
+inductor performs in place), so the step is exactly the eager one: write, gather the context by
+slot, attend with the GQA heads folded into the query axis.
+
+Only a full-precision ("auto") KV pool is read this way; a quantized pool's reads plan staging
+rows and dequantize blocks per step in Python (``runtime/kv/context.py``), so its steps stay eager.
+"""
+
+import os
+import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+
+from runtime.kv.cache import KVCache
+from runtime.layers.llama_forward import LlamaFamilyForward, Matrix
+from runtime.layers.weights import ACTIVATION_DTYPE, Int4Weight, Int8Weight
+from runtime.paths import cache_dir
+
+CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+# The longest context the dynamic dimension is declared for (inductor wants a bound).
+MAX_CONTEXT = 1 << 20
+
+
+def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Powers of two up to the first one that holds ``max_num_seqs``."""
+    buckets = [1]
+    while buckets[-1] < max_num_seqs:
+        buckets.append(buckets[-1] * 2)
+    return tuple(buckets)
+
+
+class PackedLinear(torch.nn.Module):
+    """One weight matrix of the lean forward as buffers, multiplied as its format says."""
+
+    weight: torch.Tensor
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, weight: Matrix, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.kind = "float"
+        self.group_size = 0
+        if isinstance(weight, Int8Weight):
+            self.kind = "int8"
+            self.register_buffer("qweight", weight.qweight)
+            self.register_buffer("scales", weight.scales)
+        elif isinstance(weight, Int4Weight):
+            self.kind = "int4"
+            self.group_size = weight.group_size
+            self.register_buffer("qweight", weight.packed)
+            self.register_buffer("scales", weight.scales_and_zeros)
+        else:
+            self.register_buffer("weight", weight.detach())
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "float":
+            return F.linear(x, self.weight, self.bias)
+        x = x.to(ACTIVATION_DTYPE)
+        if self.kind == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size, self.scales)
+        return y if self.bias is None else y + self.bias
+
+
+class DecodeLayer(torch.nn.Module):
+    input_norm_weight: torch.Tensor
+    post_norm_weight: torch.Tensor
+
+    def __init__(self, layer: Any) -> None:
+        super().__init__()
+        self.register_buffer("input_norm_weight", layer.input_norm_weight.detach())
+        self.input_norm_eps = layer.input_norm_eps
+        self.qkv = PackedLinear(layer.qkv_weight, layer.qkv_bias)
+        self.o = PackedLinear(layer.o_weight, layer.o_bias)
+        self.register_buffer("post_norm_weight", layer.post_norm_weight.detach())
+        self.post_norm_eps = layer.post_norm_eps
+        self.gate_up = PackedLinear(layer.gate_up_weight, layer.gate_up_bias)
+        self.down = PackedLinear(layer.down_weight, layer.down_bias)
+
+
+class DecodeGraph(torch.nn.Module):
+    """The decode step over the lean forward's weights (shared, not copied) and a full KV pool."""
+
+    embed_weight: torch.Tensor
+    final_norm_weight: torch.Tensor
+
+    def __init__(self, lean: LlamaFamilyForward) -> None:
+        super().__init__()
+        self.num_heads = lean.num_heads
+        self.num_kv_heads = lean.num_kv_heads
+        self.head_dim = lean.head_dim
+        self.scaling = lean.scaling
+        self.activation_dtype = lean.activation_dtype
+        self.residual_dtype = lean.residual_dtype
+        self.register_buffer("embed_weight", lean.embed_weight.detach())
+        self.rotary = lean.rotary
+        self.layers = torch.nn.ModuleList(DecodeLayer(layer) for layer in lean.layers)
+        self.register_buffer("final_norm_weight", lean.final_norm_weight.detach())
+        self.final_norm_eps = lean.final_norm_eps
+        self.head = PackedLinear(lean.lm_head_weight, lean.lm_head_bias)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (B,)
+        positions: torch.Tensor,  # (B,)
+        slot_mapping: torch.Tensor,  # (B,) where each token's K/V goes
+        context_slots: torch.Tensor,  # (B, L) each row's context, its own token included
+        context_mask: torch.Tensor,  # (B, L) bool, True where the row attends
+        key_pool: list[torch.Tensor],  # per layer (KVH, slots, D)
+        value_pool: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Logits (B, V) float32 for each row's next token."""
+        batch, length = context_slots.shape
+        rms_norm, rotate = LlamaFamilyForward._rms_norm, LlamaFamilyForward._rotate
+        h = F.embedding(input_ids, self.embed_weight).to(self.residual_dtype)  # (B, hidden)
+        cos, sin = self.rotary(h[None].to(self.activation_dtype), positions[None])  # (1, B, D) each
+        cos, sin = cos[0, :, None], sin[0, :, None]  # (B, 1, D): broadcast over heads
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        groups = self.num_heads // self.num_kv_heads
+        flat_slots = context_slots.reshape(-1)  # (B*L,)
+        mask = context_mask[:, None, None, :]  # (B, 1, 1, L)
+        for i, layer in enumerate(cast(list[DecodeLayer], self.layers)):
+            x = rms_norm(h, layer.input_norm_weight, layer.input_norm_eps)
+            q, k, v = layer.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+            q = rotate(q.view(batch, self.num_heads, self.head_dim), cos, sin)  # (B, H, D)
+            k = rotate(k.view(batch, self.num_kv_heads, self.head_dim), cos, sin)  # (B, KVH, D)
+            v = v.view(batch, self.num_kv_heads, self.head_dim)
+            keys, values = key_pool[i], value_pool[i]
+            keys.index_copy_(1, slot_mapping, k.transpose(0, 1).to(keys.dtype))
+            values.index_copy_(1, slot_mapping, v.transpose(0, 1).to(values.dtype))
+            # (KVH, B*L, D) -> (B, KVH, L, D)
+            ck = keys.index_select(1, flat_slots).view(self.num_kv_heads, batch, length, self.head_dim)
+            cv = values.index_select(1, flat_slots).view(self.num_kv_heads, batch, length, self.head_dim)
+            # The query heads that share a KV head fold into the query axis, as in the eager
+            # decode (runtime/layers/attention.py): no repeated keys, the mask per sequence.
+            q = q.to(ck.dtype).reshape(batch, self.num_kv_heads, groups, self.head_dim)
+            o = F.scaled_dot_product_attention(
+                q, ck.transpose(0, 1), cv.transpose(0, 1), attn_mask=mask, scale=self.scaling
+            )  # (B, KVH, groups, D)
+            h = h + layer.o(o.reshape(batch, q_size).to(self.activation_dtype))
+            x = rms_norm(h, layer.post_norm_weight, layer.post_norm_eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)  # (B, I) each
+            h = h + layer.down(F.silu(gate) * up)
+        h = rms_norm(h, self.final_norm_weight, self.final_norm_eps)
+        return self.head(h).float()  # (B, V)
+
+
+@dataclass(slots=True)
+class DecodeInputs:
+    """One pure-decode step's tensors, already padded to its bucket."""
+
+    input_ids: torch.Tensor  # (bucket,)
+    positions: torch.Tensor  # (bucket,)
+    slot_mapping: torch.Tensor  # (bucket,)
+    context_slots: torch.Tensor  # (bucket, L)
+    context_mask: torch.Tensor  # (bucket, L) bool
+
+
+@dataclass(slots=True)
+class CompileReport:
+    """What the compiled step has done so far, for the engine's stats."""
+
+    enabled: bool  # still compiling/using graphs (False once a compile failed)
+    compiled_buckets: tuple[int, ...] = ()
+    num_compilations: int = 0  # graphs inductor built, recompiles included
+    num_compiled_steps: int = 0
+    compile_seconds: dict[int, float] = field(default_factory=dict)
+    notice: str | None = None  # why compilation turned itself off, if it did
+
+
+def configure_inductor(cpp_wrapper: bool = False) -> dict[str, Any]:
+    """Put inductor's cache under liubai's cache dir; return the settings for these graphs.
+
+    The settings (weights frozen into the graph, the FX graph cache on) are patched per compile
+    rather than set globally, so other ``torch.compile`` users in the process (a benchmark's
+    peer) keep inductor's defaults. ``TORCHINDUCTOR_CACHE_DIR`` is inductor's own setting, read
+    when it compiles; one the user set is left alone.
+    """
+    os.environ.setdefault(CACHE_DIR_ENV, str(cache_dir() / "inductor"))
+    return {"freezing": True, "cpp_wrapper": cpp_wrapper, "fx_graph_cache": True}
+
+
+def _fresh_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under a new code object: dynamo keeps its graphs (and its recompile limit) per code
+    object, so each bucket gets a cache of its own and never evicts another's graph."""
+    code = fn.__code__.replace()
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+class CompiledDecodeStep:
+    """Graphs of :class:`DecodeGraph` per batch bucket, compiled lazily, with an eager fallback.
+
+    ``on_notice`` hears each line worth a user's attention: a bucket's first compile starting
+    (it takes a while) and finishing, and the one notice if compiling fails, after which every
+    step runs eager.
+    """
+
+    def __init__(
+        self,
+        lean: LlamaFamilyForward,
+        kv_cache: KVCache,
+        max_num_seqs: int,
+        on_notice: Callable[[str], None] | None = None,
+    ) -> None:
+        if kv_cache.scratch_slot is None:
+            raise ValueError("a compiled decode step needs a KV pool with a scratch slot")
+        self.graph = DecodeGraph(lean).eval()
+        self.kv_cache = kv_cache
+        self.scratch_slot = kv_cache.scratch_slot
+        self.buckets = batch_buckets(max_num_seqs)
+        self.on_notice = on_notice
+        self._compiled: dict[int, Callable[..., torch.Tensor]] = {}
+        self._inductor_options: dict[str, Any] | None = None  # configured at the first compile
+        self._report = CompileReport(enabled=True)
+
+    def report(self) -> CompileReport:
+        r = self._report
+        return CompileReport(
+            r.enabled,
+            tuple(sorted(self._compiled)),
+            r.num_compilations,
+            r.num_compiled_steps,
+            dict(r.compile_seconds),
+            r.notice,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self._report.enabled
+
+    @property
+    def num_compilations(self) -> int:
+        return self._report.num_compilations
+
+    def bucket_for(self, batch: int) -> int | None:
+        return next((b for b in self.buckets if b >= batch), None)
+
+    def pad(
+        self, input_ids: list[int], positions: list[int], slots: list[int], contexts: list[torch.Tensor]
+    ) -> DecodeInputs:
+        """The step's rows padded to their bucket (the caller checked there is one)."""
+        batch = len(input_ids)
+        bucket = self.bucket_for(batch)
+        assert bucket is not None, f"no bucket holds a batch of {batch}"
+        extra = bucket - batch
+        scratch = self.scratch_slot
+        device = contexts[0].device
+        lengths = torch.tensor([c.shape[0] for c in contexts] + [1] * extra, device=device)
+        rows = contexts + [torch.full((1,), scratch, dtype=torch.long, device=device)] * extra
+        # Past each row's length the scratch slot pads: finite storage the mask keeps out.
+        context_slots = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=scratch)
+        if context_slots.shape[1] < 2:  # a dynamic dimension must not specialise on 1
+            context_slots = F.pad(context_slots, (0, 1), value=scratch)
+        mask = torch.arange(context_slots.shape[1], device=device)[None, :] < lengths[:, None]  # (bucket, L)
+        return DecodeInputs(
+            input_ids=torch.tensor(input_ids + [0] * extra, device=device),
+            positions=torch.tensor(positions + [0] * extra, device=device),
+            slot_mapping=torch.tensor(slots + [scratch] * extra, device=device),
+            context_slots=context_slots,
+            context_mask=mask,
+        )
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        """Inductor with this step's settings, counting each graph it builds."""
+        from torch._inductor.compile_fx import compile_fx
+
+        self._report.num_compilations += 1
+        return compile_fx(gm, example_inputs, config_patches=self._inductor_options)
+
+    def __call__(self, inputs: DecodeInputs) -> torch.Tensor | None:
+        """Logits (bucket, V) float32, or None when the step must run eager (compiling failed).
+
+        Every call, not only a bucket's first, runs under the fallback: a later one can
+        recompile (a guard on the context length failing) and fail the same ways. A failed
+        compile raises before any kernel runs, so the pool is untouched and the eager retry of
+        the same step is exact.
+        """
+        if not self._report.enabled:
+            return None
+        bucket = inputs.input_ids.shape[0]
+        fn = self._compiled.get(bucket)
+        first = fn is None
+        if fn is None:
+            if self._inductor_options is None:
+                self._inductor_options = configure_inductor()
+            fn = torch.compile(
+                _fresh_function(_run_graph), backend=self._backend, dynamic=False, fullgraph=True
+            )
+            self._notice(f"compiling the decode step for batch {bucket} (once; cached on disk after)")
+        torch._dynamo.mark_dynamic(inputs.context_slots, 1, min=2, max=MAX_CONTEXT)
+        torch._dynamo.mark_dynamic(inputs.context_mask, 1, min=2, max=MAX_CONTEXT)
+        args = (
+            self.graph, inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.context_slots,
+            inputs.context_mask, self.kv_cache.key_store.cache, self.kv_cache.value_store.cache,  # type: ignore[union-attr]
+        )  # fmt: skip
+        start = time.perf_counter()
+        try:
+            logits = fn(*args)
+        except Exception as exc:  # inductor fails in many ways (no compiler, a build error); all mean eager
+            self._report.enabled = False
+            self._report.notice = f"decode steps run eager: compiling failed ({_first_line(exc)})"
+            self._notice(self._report.notice)
+            return None
+        self._report.num_compiled_steps += 1
+        if first:
+            seconds = time.perf_counter() - start
+            self._compiled[bucket] = fn
+            self._report.compile_seconds[bucket] = seconds
+            self._notice(f"compiled the decode step for batch {bucket} in {seconds:.1f} s")
+        return logits
+
+    def _notice(self, line: str) -> None:
+        if self.on_notice is not None:
+            self.on_notice(line)
+
+
+def _run_graph(graph: DecodeGraph, *tensors: Any) -> torch.Tensor:
+    return graph(*tensors)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
