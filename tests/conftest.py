@@ -6,11 +6,12 @@ model cache (``~/.cache/liubai/models``) is left alone: converting the default m
 itself point ``LIUBAI_CACHE_DIR`` at a temporary directory with the ``fake_cache`` fixture.
 
 Caches of what was measured or built on this machine (:data:`MACHINE_CACHES`: the GEMM plans
-of ``runtime/layers/gemm.py``) go to a fresh directory per test session, never to the user
-cache, so no test depends on what an earlier run left there. Per session, not per test: module-
-and session-scoped engines are built before any function-scoped fixture runs, and timing a GEMM
-plan costs a minute or more, which each test would otherwise pay again. The KV disk tier is
-one too (for module-scoped engines), and each test also gets a fresh one of its own.
+of ``runtime/layers/gemm.py``, inductor's compiled graphs) go to a fresh directory per test
+session, never to the user cache, so no test depends on what an earlier run left there. Per
+session, not per test: module- and session-scoped engines are built before any function-scoped
+fixture runs, and timing a GEMM plan costs a minute or more, which each test would otherwise
+pay again. The KV disk tier is one too (for module-scoped engines), and each test also gets a
+fresh one of its own.
 """
 
 from collections.abc import Iterator
@@ -22,7 +23,11 @@ from runtime.models.loader import resolve_model
 from runtime.models.registry import DEFAULT_MODEL
 
 # The environment variable that moves each machine-specific cache, and its directory's name.
-MACHINE_CACHES = {"LIUBAI_GEMM_PLAN_DIR": "gemm", "LIUBAI_KV_DISK_DIR": "kv"}
+MACHINE_CACHES = {
+    "LIUBAI_GEMM_PLAN_DIR": "gemm",
+    "LIUBAI_KV_DISK_DIR": "kv",
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+}
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -39,6 +39,10 @@ class EngineConfig:
     # Weight format of the lean forward: "float32", "bfloat16", "int8" (per output channel) or
     # "int4" (group 32); "auto" keeps the dtype's float weights. int8/int4 run bfloat16 activations.
     weights: str = "auto"
+    # Pure-decode steps through graphs compiled by inductor, one per batch bucket
+    # (runtime/layers/compiled_step.py). Only the lean forward over a full-precision KV pool
+    # compiles; anything else, and a machine where compiling fails, runs eager.
+    compile: bool = False
     # The prefix cache's disk tier: most bytes of block files, e.g. "4GiB"; 0 (the default for an
     # engine built in code; the CLI defaults to DEFAULT_KV_DISK) keeps KV in memory only.
     kv_disk: str | int = 0

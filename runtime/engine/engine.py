@@ -12,7 +12,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +60,15 @@ class Completion:
 
 
 class Engine:
-    def __init__(self, model: str | Path = "smollm2-135m-instruct", **options: Any) -> None:
+    def __init__(
+        self,
+        model: str | Path = "smollm2-135m-instruct",
+        *,
+        on_notice: Callable[[str], None] | None = None,
+        **options: Any,
+    ) -> None:
+        """``on_notice`` hears the lines worth a user's attention that are not errors (a decode
+        graph compiling, compiling falling back to eager); None drops them."""
         self.config = EngineConfig(model=model, **options)
         weights = self.config.weights
         loaded = load_model(
@@ -104,7 +112,17 @@ class Engine:
                 f"a KV pool of {format_bytes(pool_bytes)} cannot hold one block of {self.config.block_size} "
                 f"tokens ({format_bytes(layout.bytes_per_token * self.config.block_size)}); raise --kv-pool"
             )
-        self.kv_cache = KVCache(layout, num_blocks, self.config.block_size, self.device)
+        # A quantized pool's reads plan and dequantize in Python, and transformers' own forward
+        # has no graph to compile: both stay eager.
+        self.compile_decode = (
+            self.config.compile
+            and not layout.quantized
+            and self.config.forward == "auto"
+            and supports_lean_forward(self.model)
+        )
+        self.kv_cache = KVCache(
+            layout, num_blocks, self.config.block_size, self.device, scratch_block=self.compile_decode
+        )
         self.block_manager = BlockManager(
             num_blocks, self.config.block_size, self.config.enable_prefix_caching, self.kv_cache.release
         )
@@ -120,7 +138,15 @@ class Engine:
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
         self.model.config._attn_implementation = ATTENTION_NAME
         self.runner = ModelRunner(
-            self.model, self.kv_cache, self.device, self.config.forward, self.config.gemm, self.weight_format
+            self.model,
+            self.kv_cache,
+            self.device,
+            self.config.forward,
+            self.config.gemm,
+            self.weight_format,
+            compile_decode=self.compile_decode,
+            max_num_seqs=self.config.max_num_seqs,
+            on_notice=on_notice,
         )
 
         self._ids = itertools.count()
@@ -420,8 +446,15 @@ class Engine:
                 num_waiting=len(self.scheduler.waiting),
                 kv_staging_bytes=self.kv_cache.staging_bytes,
                 weight_format=self.weight_format,
+                compiled=self.compiled,
                 **self._disk_stats(),
             )
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps run compiled: asked for, applicable, and not fallen back to eager."""
+        step = self.runner.compiled_step
+        return step is not None and step.enabled
 
     def _disk_stats(self) -> dict[str, Any]:
         if self.disk_cache is None:

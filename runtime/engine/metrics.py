@@ -73,6 +73,9 @@ class EngineStats:
     kv_staging_bytes: int = 0
     # How the model's matrices are stored and multiplied: float32, bfloat16, int8 or int4.
     weight_format: str = "float32"
+    # Whether decode steps run through compiled graphs now (runtime/layers/compiled_step.py):
+    # False when compiling is off, does not apply, or failed and fell back to eager.
+    compiled: bool = False
     # The prefix cache's disk tier (runtime/kv/disk_tier.py): all fingerprints' files under its
     # root, this engine's hits, writes and evictions. kv_disk_limit_bytes 0: no tier.
     kv_disk_limit_bytes: int = 0

@@ -1,0 +1,145 @@
+"""The compiled decode step (runtime/layers/compiled_step.py) on a tiny Llama, in float32.
+
+Compiling is slow (tens of seconds per graph on these machines), so one module-scoped engine
+with buckets up to 8 serves every in-process test, and its graphs are compiled once.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime import Engine, SamplingParams
+from runtime.layers.compiled_step import CompiledDecodeStep, batch_buckets
+from tests.engine_helpers import hf_greedy
+
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def notices() -> list[str]:
+    return []
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_llama_path: Path, notices: list[str]) -> Engine:
+    return Engine(
+        tiny_llama_path,
+        kv_pool="4MiB",
+        device="cpu",
+        dtype="float32",
+        gemm="torch",
+        max_num_seqs=8,
+        compile=True,
+        on_notice=notices.append,
+    )
+
+
+def prompts(count: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 40000, (5 + 23 * i,), generator=g).tolist() for i in range(count)]
+
+
+def step_of(engine: Engine) -> CompiledDecodeStep:
+    step = engine.runner.compiled_step
+    assert step is not None
+    return step
+
+
+def test_greedy_equals_generate_alone_and_batched(compiled: Engine, notices: list[str]) -> None:
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    reference = [hf_greedy(compiled, p, NEW_TOKENS, ignore_eos=True) for p in prompts()]
+    alone = [compiled.generate(p, params)[0].token_ids for p in prompts()]
+    together = [c.token_ids for c in compiled.generate(prompts(), params)]
+    assert alone == reference
+    assert together == reference
+    report = step_of(compiled).report()
+    assert report.enabled and report.notice is None
+    assert set(report.compiled_buckets) == {1, 4}  # 3 sequences ran in the bucket of 4
+    # Every step after the prefill ran compiled: 63 for each request alone, 63 for the three
+    # together (their prompts prefill in one step).
+    assert report.num_compiled_steps == 4 * (NEW_TOKENS - 1)
+    assert not any("eager" in line for line in notices)
+    assert compiled.stats().compiled
+
+
+def run_staggered(engine: Engine) -> dict[str, list[int]]:
+    """A batch growing 1 -> 3 -> 8 decoding sequences, then shrinking as they finish."""
+    ids = prompts(8)
+    lengths = [40, 36, 30, 24, 20, 16, 12, 8]  # each joins later and most stop sooner
+    tokens: dict[str, list[int]] = {}
+    joins = {0: [0], 3: [1, 2], 6: [3, 4, 5, 6, 7]}  # step -> requests that arrive then
+    params = {i: SamplingParams(max_tokens=lengths[i], ignore_eos=True) for i in range(8)}
+    names: dict[str, int] = {}
+    step = 0
+    while step in joins or engine.scheduler.running or engine.scheduler.waiting:
+        for i in joins.get(step, []):
+            names[engine.add_request(ids[i], params[i])] = i
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+        step += 1
+    return {str(names[rid]): t for rid, t in tokens.items()}
+
+
+def test_a_growing_and_shrinking_batch_reuses_its_graphs(compiled: Engine) -> None:
+    step = step_of(compiled)
+    assert step.buckets == batch_buckets(8) == (1, 2, 4, 8)
+    first = run_staggered(compiled)
+    report = step.report()
+    assert report.compiled_buckets == (1, 2, 4, 8)
+    # One graph per bucket: the growing context never recompiled one.
+    assert report.num_compilations == 4
+    again = run_staggered(compiled)
+    assert step.num_compilations == 4
+    assert again == first
+    lengths = [40, 36, 30, 24, 20, 16, 12, 8]
+    for i, prompt in enumerate(prompts(8)):
+        assert first[str(i)] == hf_greedy(compiled, prompt, lengths[i], ignore_eos=True)
+
+
+FALLBACK_SCRIPT = """
+import json, sys
+import torch
+from runtime import Engine, SamplingParams
+from tests.engine_helpers import hf_greedy
+notices = []
+engine = Engine(sys.argv[1], kv_pool="4MiB", device="cpu", dtype="float32", gemm="torch",
+                compile=True, on_notice=notices.append)
+prompt = torch.randint(3, 40000, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+params = SamplingParams(max_tokens=24, ignore_eos=True)
+tokens = [engine.generate(prompt, params)[0].token_ids, engine.generate([prompt] * 2, params)[0].token_ids]
+report = engine.runner.compiled_step.report()
+print(json.dumps({
+    "notices": notices, "equal": all(t == hf_greedy(engine, prompt, 24, ignore_eos=True) for t in tokens),
+    "enabled": report.enabled, "compiled": engine.stats().compiled,
+}))
+"""
+
+
+def test_without_a_compiler_the_engine_runs_eager_after_one_notice(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    """Inductor reads CXX when its config is imported, hence a fresh process; and a fresh
+    inductor cache, or a graph cached by an earlier run would load without a compiler."""
+    env = dict(os.environ, CXX="/nonexistent", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", FALLBACK_SCRIPT, str(tiny_llama_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    fallbacks = [line for line in result["notices"] if "run eager" in line]
+    assert len(fallbacks) == 1, result["notices"]
+    assert "compiling failed" in fallbacks[0] and "\n" not in fallbacks[0]
+    assert result["equal"]
+    assert not result["enabled"] and not result["compiled"]
+    assert "Traceback" not in done.stderr
