@@ -34,6 +34,7 @@ def open_backend(config: AgentConfig) -> Backend:
         kv_disk=config.kv_disk,
         dtype=config.dtype,
         weights=config.weights,
+        compile=config.compile,
         kv_dtype=config.kv_dtype,
         k_dtype=config.k_dtype,
         v_dtype=config.v_dtype,

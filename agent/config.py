@@ -30,6 +30,7 @@ class AgentConfig:
     kv_disk: str = DEFAULT_KV_DISK  # the prefix cache's disk tier; "0" keeps KV in memory only
     dtype: str = "auto"
     weights: str = "auto"  # the engine's weight format; int8/int4 need dtype auto or bfloat16
+    compile: bool = False  # the engine's compiled decode step (runtime/layers/compiled_step.py)
     kv_dtype: str = "auto"
     k_dtype: str | None = None
     v_dtype: str | None = None

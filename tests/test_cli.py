@@ -137,6 +137,13 @@ def test_weights_flag_reaches_the_config(seen_runs: Seen) -> None:
     assert_one_error_line(bad.stderr)
 
 
+def test_compile_flag_reaches_the_config(seen_runs: Seen) -> None:
+    assert cli.main(["run", "hi"]) == 0
+    assert cli.main(["run", "hi", "--compile"]) == 0
+    assert cli.main(["run", "hi", "--no-compile"]) == 0
+    assert [config.compile for config, _run in seen_runs] == [False, True, False]
+
+
 def test_kv_dtype_flags_reach_the_config(seen_runs: Seen) -> None:
     from agent.config import KV_DTYPES as CONFIG_KV_DTYPES
     from runtime.kv.quant import KV_DTYPES

@@ -9,6 +9,7 @@ so concurrent streams share forward passes without a background thread.
 """
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -35,6 +36,8 @@ from runtime.models.loader import load_model
 from runtime.sizes import format_bytes
 
 Prompt = str | list[int]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -68,7 +71,7 @@ class Engine:
         **options: Any,
     ) -> None:
         """``on_notice`` hears the lines worth a user's attention that are not errors (a decode
-        graph compiling, compiling falling back to eager); None drops them."""
+        graph compiling, compiling falling back to eager); None logs them at INFO."""
         self.config = EngineConfig(model=model, **options)
         weights = self.config.weights
         loaded = load_model(
@@ -146,7 +149,7 @@ class Engine:
             self.weight_format,
             compile_decode=self.compile_decode,
             max_num_seqs=self.config.max_num_seqs,
-            on_notice=on_notice,
+            on_notice=on_notice or log.info,
         )
 
         self._ids = itertools.count()
