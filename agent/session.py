@@ -290,6 +290,7 @@ class AgentSession:
             "k_dtype": k_dtype,
             "v_dtype": v_dtype,
             "weights": self.backend.weight_format,
+            "compiled": self.backend.compiled,
         }
 
     def _record(self, kind: str, metrics: RequestMetrics, kv_tokens: int, finish_reason: str | None) -> Cost:

@@ -39,6 +39,10 @@ class ScriptedBackend:
         return "float32"
 
     @property
+    def compiled(self) -> bool:
+        return False
+
+    @property
     def max_context_tokens(self) -> int:
         return 8192
 

@@ -83,7 +83,7 @@ def test_script_json_fields_and_database_rows(backend: LocalBackend, tmp_path: P
     assert result["kv"]["budget_tokens"] == 2048
     assert result["kv"]["budget_bytes"] == 2048 * backend.bytes_per_token
     assert result["kv"]["k_dtype"] == "float32" and result["timings"]["ttft_ms"] > 0
-    assert result["kv"]["weights"] == "float32"
+    assert result["kv"]["weights"] == "float32" and result["kv"]["compiled"] is False
 
     store = Store(config.db)
     rows = store.requests(result["session_id"])

@@ -307,6 +307,7 @@ def test_metrics_are_prometheus_text_and_move_with_traffic(
         "vllm:time_to_first_token_seconds": "histogram",
         "vllm:inter_token_latency_seconds": "histogram",
         "liubai:weights_info": "gauge",
+        "liubai:decode_compiled": "gauge",
     }.items() <= types.items()
     assert 'liubai:weights_info{model_name="' in raw.decode() and 'format="float32"} 1' in raw.decode()
 

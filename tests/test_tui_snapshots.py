@@ -59,6 +59,10 @@ class ReplayBackend:
         return None if self.remote else "bfloat16"
 
     @property
+    def compiled(self) -> bool | None:
+        return None if self.remote else False
+
+    @property
     def max_context_tokens(self) -> int | None:
         return None if self.remote else 8192
 

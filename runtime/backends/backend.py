@@ -52,6 +52,10 @@ class Backend(Protocol):
         """How the model's weights are stored (float32, bfloat16, int8, int4), or None where unknown."""
 
     @property
+    def compiled(self) -> bool | None:
+        """Whether decode steps run through compiled graphs now, or None where unknown."""
+
+    @property
     def max_context_tokens(self) -> int | None:
         """The most tokens one conversation's KV can hold (the model's context, within the KV
         pool), or None when the backend cannot know."""
@@ -92,6 +96,10 @@ class LocalBackend:
     @property
     def weight_format(self) -> str:
         return str(self.engine.weight_format)
+
+    @property
+    def compiled(self) -> bool:
+        return bool(self.engine.compiled)
 
     @property
     def max_context_tokens(self) -> int:

@@ -107,6 +107,10 @@ class OpenAIBackend:
     def weight_format(self) -> None:
         return None
 
+    @property
+    def compiled(self) -> None:
+        return None
+
     @cached_property
     def max_context_tokens(self) -> int | None:
         """This model's context on the server, where its ``GET /v1/models`` card states one

@@ -115,6 +115,11 @@ class ServerMetrics:
             "format",
             stats.weight_format,
         )
+        out.gauge(
+            "liubai:decode_compiled",
+            "1 while decode steps run through compiled graphs, 0 when eager.",
+            int(stats.compiled),
+        )
         if stats.kv_disk_limit_bytes:
             out.gauge(
                 "liubai:kv_disk_blocks", "Block files in the prefix cache's disk tier.", stats.kv_disk_blocks
