@@ -21,7 +21,9 @@ same turns): its decode speed and TTFT, its quality against float32 weights over
 scored in one prefill), the bytes one decode step reads (its matrices, one embedding row and
 the KV at the mean context) and the roofline fraction of those bytes. ``best_format`` is the
 fastest row within ``kld_mean`` <= 1e-3 and ``top1_agree`` >= 0.98 (float32 always is);
-``decode_ratio``, ``roofline_fraction`` and ``llamacpp_ratio`` are that row's.
+``decode_ratio``, ``roofline_fraction`` and ``llamacpp_ratio`` are that row's. Formats named by
+``--compiled`` get a second row with ``compiled`` true: the same format through liubai's compiled
+decode step (``runtime/layers/compiled_step.py``), its first compile paid in the warm-up.
 """
 
 import argparse
@@ -41,6 +43,8 @@ from bench import common
 
 Call = Callable[[list[int], int], list[int]]  # (prompt ids, new tokens) -> generated ids
 FORMATS = ("float32", "bfloat16", "int8", "int4")
+COMPILED_FORMATS = ("float32", "bfloat16")  # --compiled's default: a second row each, compiled
+COMPILED_SUFFIX = " compiled"  # a row key: the format, and this for its compiled row
 MAX_KLD, MIN_TOP1 = 1e-3, 0.98  # the quality a best_format must keep against float32 weights
 HELD_TEXT = Path(__file__).resolve().parent / "data" / "kvquant_text.txt"
 HELD_TOKENS = 256
@@ -68,6 +72,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="skip transformers + torch.compile")
+    parser.add_argument(
+        "--compiled",
+        default=",".join(COMPILED_FORMATS),
+        help="formats that also get a row with liubai's compiled decode step, its first compile in "
+        f"the warm-up ('' for none; default: {','.join(COMPILED_FORMATS)})",
+    )
     parser.add_argument("--gguf", type=Path, help="GGUF for llama.cpp (default: from the registry wheel)")
     parser.add_argument(
         "--formats",
@@ -185,7 +195,8 @@ def format_rows(
     targets = torch.tensor(ids[1:])[:, None]
     ref_ppl = float((-ref[:-1].gather(1, targets).mean()).exp())
     rows = []
-    for fmt, engine in engines.items():
+    for key, engine in engines.items():
+        fmt = key.removesuffix(COMPILED_SUFFIX)
         logprobs = torch.log_softmax(prompt_logits(engine, ids), dim=-1)
         ppl = float((-logprobs[:-1].gather(1, targets).mean()).exp())
         forward = engine.runner.lean_forward
@@ -195,13 +206,13 @@ def format_rows(
             + embedding.shape[1] * embedding.element_size()
             + engine.stats().bytes_per_token * mean_context
         )
-        rate = peers[fmt].decode_tok_s(n)
+        rate = peers[key].decode_tok_s(n)
         rows.append(
             {
                 "format": fmt,
-                "compiled": False,
+                "compiled": bool(engine.compiled),  # False where compiling fell back to eager
                 "decode_tok_s": common.rounded(rate),
-                "ttft_ms": round(peers[fmt].ttft_ms(), 1),
+                "ttft_ms": round(peers[key].ttft_ms(), 1),
                 "kld_mean": float((ref.exp() * (ref - logprobs)).sum(-1).mean()),
                 "top1_agree": round(float((ref.argmax(-1) == logprobs.argmax(-1)).float().mean()), 4),
                 "ppl_delta_pct": round((ppl / ref_ppl - 1) * 100, 3),
@@ -225,7 +236,11 @@ def main() -> None:
     if args.dtype not in formats:
         formats.insert(0, args.dtype)  # the legacy liubai_* fields are the --dtype row's
     engines = {fmt: common.make_engine(model_dir, "auto", weights=fmt, kv_pool="128MiB") for fmt in formats}
-    completions: dict[str, list[Any]] = {fmt: [] for fmt in formats}
+    for fmt in [f.strip() for f in args.compiled.split(",") if f.strip() in formats]:
+        engines[fmt + COMPILED_SUFFIX] = common.make_engine(
+            model_dir, "auto", weights=fmt, kv_pool="128MiB", compile=True, on_notice=common.log
+        )
+    completions: dict[str, list[Any]] = {key: [] for key in engines}
 
     def liubai(fmt: str) -> Call:
         def call(ids: list[int], k: int) -> list[int]:
@@ -234,7 +249,7 @@ def main() -> None:
 
         return call
 
-    format_peers = {fmt: Peer(f"liubai {fmt}", liubai(fmt)) for fmt in formats}
+    format_peers = {key: Peer(f"liubai {key}", liubai(key)) for key in engines}
     peers = [*format_peers.values(), Peer("transformers", hf_call(common.load_hf(model_dir, args.dtype)))]
     if not args.no_compile:
         cache_len = -(-(max(map(len, prompts)) + n) // 64) * 64
@@ -256,11 +271,11 @@ def main() -> None:
                 f"decode {common.rounded(common.decode_rate(n, peer.t1[-1], tn), 1)} tok/s"
             )
 
-    for fmt in formats:
-        full_runs = completions[fmt][2::2]  # warm-up, then (1-token, N-token) per repeat
+    for key in engines:
+        full_runs = completions[key][2::2]  # warm-up, then (1-token, N-token) per repeat
         if any(len(c.token_ids) != n for c in full_runs):
             raise RuntimeError(
-                f"liubai {fmt} generated {[len(c.token_ids) for c in full_runs]} tokens, not {n}"
+                f"liubai {key} generated {[len(c.token_ids) for c in full_runs]} tokens, not {n}"
             )
     engine, completions_lb = engines[args.dtype], completions[args.dtype]
     full_runs = completions_lb[2::2]
