@@ -297,6 +297,7 @@ def main() -> None:
         "liubai_decode_tok_s": common.rounded(lb_rate),
         "hf_decode_tok_s": common.rounded(hf_rate),
         "best_format": best and best["format"],
+        "best_compiled": best and best["compiled"],
         "decode_ratio": common.ratio(best_rate, hf_rate),
         "roofline_fraction": best and best["roofline_fraction"],
         "llamacpp_ratio": None,
