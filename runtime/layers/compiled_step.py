@@ -86,7 +86,12 @@ class PackedLinear(torch.nn.Module):
         if self.kind == "float":
             # The batch dimension is static, so the form is a constant of each bucket's graph:
             # weight-major products stream weights 2-3x as fast as F.linear on some CPUs (gemm.py).
-            return matmul(x, self.weight, self.bias, self.chunks.get(x.shape[0], LINEAR))
+            chunk = self.chunks.get(x.shape[0], LINEAR)
+            if chunk != LINEAR:
+                # One product, never chunks: inductor stored a chunked product's input row-major
+                # (K, rows), which BLAS streams at about half the rate of the eager column-major view.
+                chunk = max(chunk, x.shape[0])
+            return matmul(x, self.weight, self.bias, chunk)
         x = x.to(ACTIVATION_DTYPE)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
