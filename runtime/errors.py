@@ -24,3 +24,7 @@ class PromptTooLongError(EngineError):
 
 class PoolTooSmallError(EngineError):
     """The KV pool cannot hold even one block."""
+
+
+class DraftModelError(EngineError):
+    """The draft model for speculative decoding cannot serve the model (another vocabulary)."""

@@ -5,14 +5,17 @@ from pathlib import Path
 
 import torch
 
+from runtime.engine.sampling import MAX_NUM_DRAFT_TOKENS, SPECULATE_MODES
 from runtime.engine.scheduler import SchedulerConfig
 from runtime.kv.quant import KV_DTYPES
 from runtime.layers.weights import QUANTIZED_FORMATS, check_weight_format
 from runtime.sizes import parse_size
+from runtime.speculation.drafter import DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_SPECULATE_MAX_BATCH
 
 DEFAULT_CPU_POOL_BYTES = 1024**3  # 1 GiB: ~23k tokens of SmolLM2 KV in fp32
 CPU_POOL_SHARE = 0.2  # never more than this share of the memory available at start
 CUDA_POOL_SHARE = 0.5  # of the GPU memory free after the weights are loaded
+DEFAULT_SPECULATE = "off"
 DEFAULT_KV_DISK = "2GiB"  # the CLI's disk tier: ~90k tokens of SmolLM2 KV in fp32, ~350k in int8
 
 
@@ -43,6 +46,15 @@ class EngineConfig:
     # (runtime/layers/compiled_step.py). Only the lean forward over a full-precision KV pool
     # compiles; anything else, and a machine where compiling fails, runs eager.
     compile: bool = False
+    # Speculative decoding's default for requests that do not choose (SamplingParams.speculate):
+    # "off", "ngram" (prompt lookup) or "draft" (a second model: draft_model, or this model in
+    # draft_weights). num_draft_tokens: most guesses per step; speculate_max_batch: no guessing
+    # while more sequences run than this (runtime/speculation/).
+    speculate: str = DEFAULT_SPECULATE
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    speculate_max_batch: int = DEFAULT_SPECULATE_MAX_BATCH
+    draft_model: str | Path | None = None
+    draft_weights: str = "int4"
     # The prefix cache's disk tier: most bytes of block files, e.g. "4GiB"; 0 (the default for an
     # engine built in code; the CLI defaults to DEFAULT_KV_DISK) keeps KV in memory only.
     kv_disk: str | int = 0
@@ -73,6 +85,15 @@ class EngineConfig:
         self.v_dtype = self.v_dtype or self.kv_dtype
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.speculate not in SPECULATE_MODES:
+            raise ValueError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, got {self.speculate!r}")
+        if not 1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
+            raise ValueError(
+                f"num_draft_tokens must be between 1 and {MAX_NUM_DRAFT_TOKENS}, got {self.num_draft_tokens}"
+            )
+        if self.speculate_max_batch < 0:
+            raise ValueError(f"speculate_max_batch must be >= 0, got {self.speculate_max_batch}")
+        check_weight_format(self.draft_weights, "auto")
         self.scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
 
     def kv_pool_bytes(self, device: torch.device) -> int:

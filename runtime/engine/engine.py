@@ -21,7 +21,7 @@ from typing import Any
 
 from runtime.engine.config import EngineConfig
 from runtime.engine.metrics import EngineStats, RequestMetrics
-from runtime.engine.model_runner import ModelRunner
+from runtime.engine.model_runner import ModelRunner, StepOutput
 from runtime.engine.sampling import SamplingParams, sample
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.sequence import Sequence, SequenceStatus
@@ -34,6 +34,10 @@ from runtime.layers.llama_forward import supports as supports_lean_forward
 from runtime.layers.weights import ACTIVATION_DTYPE, QUANTIZED_FORMATS, dtype_for
 from runtime.models.loader import load_model
 from runtime.sizes import format_bytes
+from runtime.speculation.adaptive import DraftLength
+from runtime.speculation.drafter import Drafter
+from runtime.speculation.ngram import NgramDrafter
+from runtime.speculation.verify import verify_greedy, verify_sampled
 
 Prompt = str | list[int]
 
@@ -162,6 +166,13 @@ class Engine:
         self._stepped = threading.Condition()
         self._num_steps = 0
         self._max_batch_size = 0
+        # Speculative decoding: drafters by name, the draft model's built on first use.
+        self._drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
+        self._spec_num_drafts = 0
+        self._spec_num_draft_tokens = 0
+        self._spec_num_accepted_tokens = 0
+        if self.config.speculate == "draft":
+            self._drafter("draft")
 
     def _open_disk_cache(self, layout: KVLayout) -> DiskPrefixCache | None:
         """The disk tier under the prefix cache, filed under a fingerprint of what the numbers
@@ -187,6 +198,14 @@ class Engine:
         disk_cache = DiskPrefixCache(tier, self.block_manager, self.kv_cache)
         self.block_manager.on_evict = disk_cache.save_evicted
         return disk_cache
+
+    def _drafter(self, name: str) -> Drafter:
+        drafter = self._drafters.get(name)
+        if drafter is None:
+            from runtime.speculation.draft_model import DraftModelDrafter
+
+            drafter = self._drafters[name] = DraftModelDrafter(self)
+        return drafter
 
     def close(self) -> None:
         """Flush the disk tier's pending writes (bounded to a couple of seconds) and stop its writer."""
@@ -225,6 +244,10 @@ class Engine:
         # The last generated token never needs KV, hence the +1 on the pool's capacity.
         seq_limit = min(len(token_ids) + params.max_tokens, self.max_model_len, self.pool_capacity_tokens + 1)
         seq.max_len = seq_limit
+        seq.speculate = params.speculate or self.config.speculate
+        if seq.speculate != "off":
+            self._drafter(seq.speculate)  # a draft model that cannot load fails the request here
+            seq.draft_length = DraftLength(params.num_draft_tokens or self.config.num_draft_tokens)
         with self._state_lock:
             if request_id in self._seqs:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -240,13 +263,14 @@ class Engine:
             if seq is None or seq.is_finished:
                 return
             self._save_to_disk(seq)
-            self.scheduler.finish(seq, "abort")
+            self._retire(seq, "abort")
             self._deliver(seq, [], final=True)
 
     # -- stepping -----------------------------------------------------------------------------
 
     def step(self) -> list[CompletionDelta]:
         """Run one forward over the scheduled batch; return each affected request's delta."""
+        self._propose_drafts()
         with self._state_lock:
             batch = self.scheduler.schedule()
         if not batch.seqs:
@@ -259,15 +283,7 @@ class Engine:
         self._max_batch_size = max(self._max_batch_size, len(batch.seqs))
 
         output = self.runner.execute(batch)
-        new_tokens = (
-            sample(
-                output.logits,
-                [s.params for s in output.sampling_seqs],
-                [s.generator for s in output.sampling_seqs],
-            )
-            if output.logits is not None
-            else []
-        )
+        next_tokens = self._next_tokens(output)
         now = time.perf_counter()
 
         deltas: list[CompletionDelta] = []
@@ -275,18 +291,111 @@ class Engine:
             for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
                 if seq.is_prefill:
                     seq.metrics.num_prefilled_tokens += num_new
-                seq.num_computed_tokens += num_new
-                self.kv_cache.seal(self.block_manager.seal_full_blocks(seq))
-            for seq, token in zip(output.sampling_seqs, new_tokens, strict=True):
+                # A sequence's guesses count once verified (_settle_drafts).
+                seq.num_computed_tokens += num_new - len(seq.draft_token_ids)
+                if not seq.draft_token_ids:
+                    self.kv_cache.seal(self.block_manager.seal_full_blocks(seq))
+            for seq, tokens in zip(output.sampling_seqs, next_tokens, strict=True):
                 if seq.first_token_time is None and seq.first_scheduled_time is not None:
                     seq.metrics.prefill_ms = (now - seq.first_scheduled_time) * 1000
-                seq.append_token(token, now)
-                reason = self._finish_reason(seq, token)
+                emitted: list[int] = []
+                reason = None
+                for token in tokens:
+                    seq.append_token(token, now)
+                    emitted.append(token)
+                    reason = self._finish_reason(seq, token)
+                    if reason is not None:
+                        break
+                if seq.draft_token_ids:
+                    self._settle_drafts(seq, num_accepted=len(tokens) - 1)
                 if reason is not None:
                     self._save_to_disk(seq)
-                    self.scheduler.finish(seq, reason)
-                deltas.append(self._deliver(seq, [token], final=reason is not None))
+                    self._retire(seq, reason)
+                deltas.append(self._deliver(seq, emitted, final=reason is not None))
         return deltas
+
+    # -- speculative decoding -----------------------------------------------------------------
+
+    def _propose_drafts(self) -> None:
+        """Let each speculating sequence that decodes next guess what follows, batch permitting.
+
+        Runs under the step lock but outside the state lock (a draft model's proposal is a few
+        forwards): only stepping changes a running sequence's tokens, and only this thread steps.
+        """
+        with self._state_lock:
+            running = list(self.scheduler.running)
+        if len(running) > self.config.speculate_max_batch:
+            return
+        wanted: dict[str, tuple[list[Sequence], list[int]]] = {}
+        for seq in running:
+            if seq.speculate == "off" or seq.draft_length is None or not seq.is_decoding:
+                continue
+            k = min(seq.draft_length.current, self._draft_room(seq))
+            if k >= 1:
+                seqs, ks = wanted.setdefault(seq.speculate, ([], []))
+                seqs.append(seq)
+                ks.append(k)
+        for name, (seqs, ks) in wanted.items():
+            for seq, k, guess in zip(seqs, ks, self._drafters[name].propose(seqs, ks), strict=True):
+                seq.draft_token_ids = list(guess[:k])
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """Most guesses ``seq`` may carry: all accepted plus the model's own token stay within its
+        length limit, and in a quantized pool no guess lands on a block's last slot (writing that
+        slot quantizes the block, which must hold verified tokens only)."""
+        room = seq.max_len - len(seq) - 1
+        if self.kv_cache.layout.quantized:
+            bs = self.config.block_size
+            offset = (len(seq) - 1) % bs  # the last verified token's slot in its block
+            room = min(room, bs - 2 - offset if offset < bs - 1 else bs - 1)
+        return max(0, room)
+
+    def _next_tokens(self, output: StepOutput) -> list[list[int]]:
+        """Per sampling sequence, the tokens this step adds: one sampled token, or the guesses
+        the model accepts followed by its own next token."""
+        if output.logits is None:
+            return []
+        if all(n == 1 for n in output.num_rows):
+            seqs = output.sampling_seqs
+            sampled = sample(output.logits, [s.params for s in seqs], [s.generator for s in seqs])
+            return [[token] for token in sampled]
+        result: list[list[int]] = []
+        row = 0
+        for seq, n in zip(output.sampling_seqs, output.num_rows, strict=True):
+            rows = output.logits[row : row + n]
+            row += n
+            drafts = seq.draft_token_ids
+            if not drafts:
+                result.append(sample(rows, [seq.params], [seq.generator]))
+            elif seq.params.greedy:
+                result.append(verify_greedy(rows, drafts))
+            else:
+                result.append(verify_sampled(rows, drafts, seq.params, seq.generator))
+        return result
+
+    def _settle_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification: the accepted guesses' KV counts, the rejected ones' slots go back
+        (whole blocks past the new end return to the pool), full blocks are sealed, and the
+        metrics and the next guess's length learn from the outcome."""
+        num_drafted = len(seq.draft_token_ids)
+        seq.draft_token_ids = []
+        # The accepted guesses' KV is valid; a stop inside them ends the sequence earlier.
+        seq.num_computed_tokens = min(seq.num_computed_tokens + num_accepted, len(seq) - 1)
+        self.block_manager.trim(seq, seq.num_computed_tokens)
+        self.kv_cache.seal(self.block_manager.seal_full_blocks(seq))
+        seq.metrics.num_drafts += 1
+        seq.metrics.num_draft_tokens += num_drafted
+        seq.metrics.num_accepted_tokens += num_accepted
+        self._spec_num_drafts += 1
+        self._spec_num_draft_tokens += num_drafted
+        self._spec_num_accepted_tokens += num_accepted
+        if seq.draft_length is not None:
+            seq.draft_length.update(num_drafted, num_accepted)
+
+    def _retire(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        for drafter in self._drafters.values():
+            drafter.forget(seq)
 
     def _save_to_disk(self, seq: Sequence) -> None:
         if self.disk_cache is not None and seq.block_table:
@@ -450,6 +559,10 @@ class Engine:
                 kv_staging_bytes=self.kv_cache.staging_bytes,
                 weight_format=self.weight_format,
                 compiled=self.compiled,
+                speculate=self.config.speculate,
+                spec_num_drafts=self._spec_num_drafts,
+                spec_num_draft_tokens=self._spec_num_draft_tokens,
+                spec_num_accepted_tokens=self._spec_num_accepted_tokens,
                 **self._disk_stats(),
             )
 

@@ -25,6 +25,21 @@ class RequestMetrics:
     decode_ms: float = 0.0  # first generated token -> last generated token
     inter_token_ms: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    # Speculative decoding (runtime/speculation/): steps that verified guesses, guessed tokens,
+    # and those the model accepted (vLLM's num_drafts / num_draft_tokens / num_accepted_tokens).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification step yields on average: the accepted guesses plus the model's
+        own next token (vLLM's mean acceptance length); 0 without verification steps."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -43,6 +58,8 @@ class RequestMetrics:
         data = asdict(self)
         data["decode_tok_s"] = self.decode_tok_s
         data["prefill_tok_s"] = self.prefill_tok_s
+        data["acceptance_rate"] = self.acceptance_rate
+        data["mean_accepted_length"] = self.mean_accepted_length
         return data
 
 
@@ -76,6 +93,12 @@ class EngineStats:
     # Whether decode steps run through compiled graphs now (runtime/layers/compiled_step.py):
     # False when compiling is off, does not apply, or failed and fell back to eager.
     compiled: bool = False
+    # Speculative decoding: the engine's default drafter ("off", "ngram" or "draft") and the
+    # totals over every request so far (vLLM's spec_decode counters).
+    speculate: str = "off"
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     # The prefix cache's disk tier (runtime/kv/disk_tier.py): all fingerprints' files under its
     # root, this engine's hits, writes and evictions. kv_disk_limit_bytes 0: no tier.
     kv_disk_limit_bytes: int = 0
@@ -93,6 +116,16 @@ class EngineStats:
         return self.prefix_hit_tokens / self.prefix_queried_tokens
 
     @property
+    def spec_acceptance_rate(self) -> float:
+        if not self.spec_num_draft_tokens:
+            return 0.0
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
+
+    @property
     def kv_usage(self) -> float:
         return self.num_blocks_used / self.num_blocks_total if self.num_blocks_total else 0.0
 
@@ -100,4 +133,6 @@ class EngineStats:
         data = asdict(self)
         data["prefix_hit_rate"] = self.prefix_hit_rate
         data["kv_usage"] = self.kv_usage
+        data["spec_acceptance_rate"] = self.spec_acceptance_rate
+        data["spec_mean_accepted_length"] = self.spec_mean_accepted_length
         return data

@@ -4,8 +4,10 @@ All scheduled tokens are packed into a single ``(1, T)`` row with explicit ``pos
 the attention hook learns where each sequence starts and ends from :class:`AttentionMetadata`.
 Logits are computed only at each sequence's last token, and only for sequences that reach
 the end of their known tokens in this step (a prefill chunk that stops mid-prompt samples
-nothing). Before the forward the runner tells the KV cache a step begins
-(:meth:`KVCache.begin_step`), so a quantized cache plans the step's writes once for every layer.
+nothing); a sequence carrying guesses (speculative decoding) gets a row for its last verified
+token and one per guess, scored like a short prefill chunk. Before the forward the runner tells
+the KV cache a step begins (:meth:`KVCache.begin_step`), so a quantized cache plans the step's
+writes once for every layer.
 
 A pure-decode step (every sequence adds its one next token) runs the compiled decode graph of
 its batch bucket when the engine asked for one (``runtime/layers/compiled_step.py``); any other
@@ -27,8 +29,11 @@ from runtime.layers.llama_forward import LlamaFamilyForward, supports
 
 @dataclass(slots=True)
 class StepOutput:
-    sampling_seqs: list[Sequence]  # the sequences whose logits are returned, row by row
-    logits: torch.Tensor | None  # (len(sampling_seqs), V) float32
+    sampling_seqs: list[Sequence]  # the sequences whose logits are returned, in order
+    logits: torch.Tensor | None  # (sum(num_rows), V) float32
+    # Rows per sampling sequence: 1, or 1 + its guesses (the last verified token's row, then one
+    # per guess), which the engine verifies.
+    num_rows: list[int]
 
 
 class ModelRunner:
@@ -86,12 +91,13 @@ class ModelRunner:
         decode_slots: list[torch.Tensor] = []
         keep: list[int] = []
         sampling: list[Sequence] = []
+        num_rows: list[int] = []
 
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             end = start + num_new
             query_start = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.scheduled_tokens(start, end))
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq, start, end))
             if num_new == 1 and start > 0:
@@ -103,9 +109,12 @@ class ModelRunner:
                 context = self._context_slots(seq, end)
                 mask = torch.ones(num_new, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
                 prefills.append(PrefillSpan(query_start, query_start + num_new, context, mask))
-            if end == len(seq):
-                keep.append(query_start + num_new - 1)
+            num_guesses = len(seq.draft_token_ids)
+            if end == len(seq) + num_guesses:
+                rows = 1 + num_guesses
+                keep.extend(range(query_start + num_new - rows, query_start + num_new))
                 sampling.append(seq)
+                num_rows.append(rows)
 
         meta = AttentionMetadata(
             kv_cache=self.kv_cache,
@@ -117,7 +126,7 @@ class ModelRunner:
         pos = torch.tensor([positions], device=self.device)  # (1, T)
         keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
         logits = self.forward(ids[0], pos[0], meta, keep_index)  # (n, V)
-        return StepOutput(sampling, logits.float() if sampling else None)
+        return StepOutput(sampling, logits.float() if sampling else None, num_rows)
 
     def _execute_compiled(self, step: CompiledDecodeStep, batch: ScheduledBatch) -> StepOutput | None:
         """A pure-decode batch through its bucket's graph; None for any other step (or no graph)."""
@@ -138,7 +147,7 @@ class ModelRunner:
         logits = step(step.pad(input_ids, positions, slots, contexts))  # (bucket, V) float32
         if logits is None:
             return None
-        return StepOutput(list(batch.seqs), logits[: len(batch.seqs)])
+        return StepOutput(list(batch.seqs), logits[: len(batch.seqs)], [1] * len(batch.seqs))
 
     @torch.inference_mode()
     def forward(

@@ -7,7 +7,9 @@ admitted while budget, sequence slots and free blocks last; admission first reus
 cached prefix, continued from the disk tier where one is given (``load_prefix``). When a running
 sequence needs a block and none is free, the most recently admitted running sequence is
 preempted: its blocks are freed (they keep their digests, so it usually hits its own prefix when
-it returns) and it goes back to the front of the queue to be recomputed.
+it returns) and it goes back to the front of the queue to be recomputed. A decoding sequence
+carrying guesses (speculative decoding) takes its token and all its guesses, or drops the guesses
+when they do not fit the budget or the pool; it never preempts anyone for them.
 """
 
 from collections import deque
@@ -72,7 +74,21 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+            num_tokens = len(seq) - seq.num_computed_tokens
+            # Guesses ride along only whole and only where they fit: before preempting anyone
+            # for room, a sequence gives up its own guesses.
+            if seq.draft_token_ids and (
+                num_tokens + len(seq.draft_token_ids) > budget
+                or not self.block_manager.allocate_slots(seq, num_tokens + len(seq.draft_token_ids))
+            ):
+                seq.draft_token_ids = []
+            if seq.draft_token_ids:
+                num_tokens += len(seq.draft_token_ids)
+                batch.add(seq, num_tokens)
+                budget -= num_tokens
+                i += 1
+                continue
+            num_tokens = min(num_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_tokens):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
@@ -112,6 +128,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
+        seq.draft_token_ids = []
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
@@ -126,5 +143,6 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -10,6 +10,7 @@ from runtime.engine.detokenizer import Detokenizer
 from runtime.engine.metrics import RequestMetrics
 from runtime.engine.sampling import SamplingParams, make_generator
 from runtime.kv.digest import block_digest
+from runtime.speculation.adaptive import DraftLength
 
 
 class SequenceStatus(enum.Enum):
@@ -51,6 +52,11 @@ class Sequence:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.admitted_once = False
+        # Tokens a drafter guessed to follow token_ids, scheduled with the next step to be
+        # verified; never in token_ids, hashed or cached until the model accepts them.
+        self.draft_token_ids: list[int] = []
+        self.speculate = "off"  # the drafter guessing for it: "off", "ngram" or "draft"
+        self.draft_length: DraftLength | None = None  # how many to guess next (speculating only)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -62,6 +68,17 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only the last token lacks KV: the next step computes it (and any guesses after it)."""
+        return self.num_computed_tokens == len(self.token_ids) - 1 and not self.is_prefill
+
+    def scheduled_tokens(self, start: int, end: int) -> list[int]:
+        """Tokens at positions start..end-1 of token_ids followed by the guesses."""
+        if end <= len(self.token_ids):
+            return self.token_ids[start:end]
+        return (self.token_ids + self.draft_token_ids)[start:end]
 
     @property
     def is_prefill(self) -> bool:

@@ -221,6 +221,24 @@ class BlockManager:
                 self.cached_blocks[block_hash] = block_id
         return sealed
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back ``seq``'s blocks past its first ``num_tokens`` tokens (rejected guesses'
+        slots); they hold nothing sealed, so they go to the front of the queue like empty ones."""
+        keep = -(-num_tokens // self.block_size)
+        if keep >= len(seq.block_table):
+            return
+        assert keep >= len(seq.block_hashes), f"{seq.request_id}: trimming a sealed block"
+        released = seq.block_table[keep:]
+        del seq.block_table[keep:]
+        for block_id in reversed(released):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            assert block.ref_cnt == 0 and block.block_hash is None, f"block {block_id} is shared or cached"
+            self.free_queue[block_id] = None
+            self.free_queue.move_to_end(block_id, last=False)
+        if self.on_release is not None:
+            self.on_release(released)
+
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references, tail first; cached blocks stay reusable until evicted."""
         released: list[int] = []
