@@ -35,6 +35,10 @@ def open_backend(config: AgentConfig) -> Backend:
         dtype=config.dtype,
         weights=config.weights,
         compile=config.compile,
+        speculate=config.speculate,
+        num_draft_tokens=config.num_draft_tokens,
+        draft_model=config.draft_model,
+        draft_weights=config.draft_weights,
         kv_dtype=config.kv_dtype,
         k_dtype=config.k_dtype,
         v_dtype=config.v_dtype,
@@ -45,11 +49,17 @@ def open_backend(config: AgentConfig) -> Backend:
 
 def open_engine(model: str, **options: Any) -> "tuple[Engine, str]":
     """The local engine for ``model`` (a short name, directory or .gguf) and the name it goes by."""
+    from runtime.errors import DraftModelError, ModelError
     from runtime.models.loader import resolve_model
 
-    # Resolve first: a bad --model fails before the engine allocates anything, and a missing
-    # registry model is pulled with its own progress display.
+    # Resolve first: a bad --model (or --draft-model) fails before the engine allocates anything,
+    # and a missing registry model is pulled with its own progress display.
     path = resolve_model(model)
+    if options.get("draft_model") is not None:
+        try:
+            options["draft_model"] = str(resolve_model(options["draft_model"]))
+        except ModelError as exc:
+            raise DraftModelError(f"--draft-model: {exc}") from exc
 
     from runtime import Engine
 

@@ -16,6 +16,14 @@ KV_DTYPES = ("auto", "int8", "fp8", "int4")
 WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")  # runtime.layers.weights.WEIGHT_FORMATS
 DEFAULT_KV_DISK = "2GiB"  # runtime.engine.config.DEFAULT_KV_DISK, for the same reason
 BACKENDS = ("local", "openai")
+# Speculative decoding (runtime/speculation/): runtime.engine.sampling.SPECULATE_MODES and
+# MAX_NUM_DRAFT_TOKENS, runtime.engine.config.DEFAULT_SPECULATE, runtime.speculation.drafter's
+# DEFAULT_NUM_DRAFT_TOKENS and EngineConfig.draft_weights' default, spelled out like the others.
+SPECULATE_MODES = ("off", "ngram", "draft")
+DEFAULT_SPECULATE = "off"
+DEFAULT_NUM_DRAFT_TOKENS = 5
+MAX_NUM_DRAFT_TOKENS = 15
+DEFAULT_DRAFT_WEIGHTS = "int4"
 
 
 @dataclass(slots=True)
@@ -31,6 +39,12 @@ class AgentConfig:
     dtype: str = "auto"
     weights: str = "auto"  # the engine's weight format; int8/int4 need dtype auto or bfloat16
     compile: bool = False  # the engine's compiled decode step (runtime/layers/compiled_step.py)
+    # Speculative decoding: "off", "ngram" (prompt lookup) or "draft" (draft_model, or this model
+    # in draft_weights); None: "draft" when a draft model is named, else "off" (check_speculation).
+    speculate: str | None = None
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    draft_model: str | None = None
+    draft_weights: str = DEFAULT_DRAFT_WEIGHTS
     kv_dtype: str = "auto"
     k_dtype: str | None = None
     v_dtype: str | None = None
@@ -95,6 +109,9 @@ class AgentConfig:
             )
         if self.weights in ("float32", "bfloat16") and self.dtype not in ("auto", self.weights):
             raise ValueError(f"--weights {self.weights} and --dtype {self.dtype} disagree; give one of them")
+        self.speculate = check_speculation(
+            self.speculate, self.num_draft_tokens, self.draft_model, self.draft_weights
+        )
         from runtime.sizes import parse_size
 
         if self.kv_pool is not None:
@@ -116,3 +133,23 @@ class AgentConfig:
     @property
     def reply_reserve(self) -> int:
         return self.reserve_tokens if self.reserve_tokens is not None else self.max_tokens
+
+
+def check_speculation(
+    speculate: str | None, num_draft_tokens: int, draft_model: str | None, draft_weights: str
+) -> str:
+    """The speculation mode these options ask for (``--draft-model`` alone means ``draft``); raise
+    ``ValueError`` naming the flag when they are unknown or contradict each other."""
+    if speculate is None:
+        speculate = "draft" if draft_model is not None else DEFAULT_SPECULATE
+    if speculate not in SPECULATE_MODES:
+        raise ValueError(f"--speculate must be one of {', '.join(SPECULATE_MODES)}, got {speculate!r}")
+    if not 1 <= num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
+        raise ValueError(
+            f"--num-draft-tokens must be between 1 and {MAX_NUM_DRAFT_TOKENS}, got {num_draft_tokens}"
+        )
+    if draft_model is not None and speculate != "draft":
+        raise ValueError(f"--draft-model drafts only with --speculate draft, not --speculate {speculate}")
+    if draft_weights not in WEIGHT_FORMATS:
+        raise ValueError(f"--draft-weights must be one of {', '.join(WEIGHT_FORMATS)}, got {draft_weights!r}")
+    return speculate

@@ -65,6 +65,10 @@ def test_help() -> None:
         "--db",
         "--allow-tools",
         "--price-per-hour",
+        "--speculate",
+        "--draft-model",
+        "--num-draft-tokens",
+        "--draft-weights",
     ):
         assert flag in run_help.stdout
 
@@ -101,6 +105,11 @@ def test_unknown_flag_exits_2() -> None:
         (["--dtype", "float32", "--weights", "int4"], "bfloat16 activations"),
         (["--dtype", "bfloat16", "--weights", "float32"], "disagree"),
         (["--kv-disk", "lots"], "--kv-disk: not a size"),
+        (["--num-draft-tokens", "16"], "--num-draft-tokens must be between 1 and 15"),
+        (
+            ["--speculate", "ngram", "--draft-model", "other"],
+            "--draft-model drafts only with --speculate draft",
+        ),
     ],
 )
 def test_bad_values_are_usage_errors(flags: list[str], fragment: str) -> None:
@@ -142,6 +151,96 @@ def test_compile_flag_reaches_the_config(seen_runs: Seen) -> None:
     assert cli.main(["run", "hi", "--compile"]) == 0
     assert cli.main(["run", "hi", "--no-compile"]) == 0
     assert [config.compile for config, _run in seen_runs] == [False, True, False]
+
+
+def test_speculation_flags_reach_the_config(seen_runs: Seen) -> None:
+    import dataclasses
+
+    from agent import config as agent_config
+    from runtime.engine import config as engine_config
+    from runtime.engine import sampling
+    from runtime.speculation import drafter
+
+    assert agent_config.SPECULATE_MODES == sampling.SPECULATE_MODES
+    assert agent_config.MAX_NUM_DRAFT_TOKENS == sampling.MAX_NUM_DRAFT_TOKENS
+    assert agent_config.DEFAULT_SPECULATE == engine_config.DEFAULT_SPECULATE
+    assert agent_config.DEFAULT_NUM_DRAFT_TOKENS == drafter.DEFAULT_NUM_DRAFT_TOKENS
+    defaults = {f.name: f.default for f in dataclasses.fields(engine_config.EngineConfig)}
+    assert agent_config.DEFAULT_DRAFT_WEIGHTS == defaults["draft_weights"]
+    assert cli.main(["run", "hi"]) == 0
+    assert cli.main(["run", "hi", "--speculate", "ngram", "--num-draft-tokens", "3"]) == 0
+    assert cli.main(["run", "hi", "--draft-model", "my-draft"]) == 0  # implies --speculate draft
+    assert cli.main(["run", "hi", "--speculate", "draft", "--draft-weights", "int8"]) == 0
+    assert [(c.speculate, c.num_draft_tokens, c.draft_model, c.draft_weights) for c, _run in seen_runs] == [
+        ("off", 5, None, "int4"),
+        ("ngram", 3, None, "int4"),
+        ("draft", 5, "my-draft", "int4"),
+        ("draft", 5, None, "int8"),
+    ]
+    bad = liubai("run", "--speculate", "maybe", "x")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_speculation_flags_reach_the_served_engine(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``liubai serve`` hands the flags to the engine, and a draft model the engine refuses is one
+    line and exit 1 there too."""
+    import agent.backends
+    from runtime.errors import DraftModelError
+
+    seen: list[dict[str, object]] = []
+
+    def refuse(model: str, **options: object) -> None:
+        seen.append(options)
+        raise DraftModelError(
+            "the draft model /d has another vocabulary (49153 tokens against the model's 49152)"
+        )
+
+    monkeypatch.setattr(agent.backends, "open_engine", refuse)
+    assert (
+        cli.main(["serve", "--draft-model", "/d", "--num-draft-tokens", "7", "--draft-weights", "auto"]) == 1
+    )
+    [options] = seen
+    assert {k: options[k] for k in ("speculate", "num_draft_tokens", "draft_model", "draft_weights")} == {
+        "speculate": "draft",
+        "num_draft_tokens": 7,
+        "draft_model": "/d",
+        "draft_weights": "auto",
+    }
+    assert_one_error_line(capsys.readouterr().err)
+    assert cli.main(["serve", "--speculate", "off", "--draft-model", "/d"]) == 2
+    assert "--draft-model drafts only with --speculate draft" in capsys.readouterr().err
+    assert len(seen) == 1  # refused before any model loads
+
+
+@pytest.mark.model
+def test_draft_model_errors_are_one_line_exit_1(
+    tiny_llama_path: Path, default_model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A draft model that is not there, or speaks another vocabulary, fails the run with the CLI's
+    one line (a DraftModelError), never a traceback."""
+    from transformers import AutoTokenizer
+
+    from tests.tiny_models import make_tiny_model
+
+    other = make_tiny_model("llama", tmp_path / "other-vocab", default_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(other)
+    tokenizer.add_tokens(["liubai-only-token"])  # one token more than the model's tokenizer
+    tokenizer.save_pretrained(other)
+    capsys.readouterr()  # (saving the model wrote its progress bar)
+    common = ["run", "hi", "--model", str(tiny_llama_path), "--db", str(tmp_path / "t.db"), "--kv-disk", "0"]
+
+    assert cli.main([*common, "--kv-pool", "16MiB", "--draft-model", str(tmp_path / "none")]) == 1
+    err = capsys.readouterr().err
+    assert_one_error_line(err)
+    assert "--draft-model: unknown model" in err and str(tmp_path / "none") in err
+    assert (
+        cli.main([*common, "--kv-pool", "16MiB", "--draft-model", str(other), "--draft-weights", "auto"]) == 1
+    )
+    err = capsys.readouterr().err
+    assert_one_error_line(err)
+    assert "another vocabulary" in err
 
 
 def test_kv_dtype_flags_reach_the_config(seen_runs: Seen) -> None:

@@ -1,7 +1,7 @@
 """The options ``liubai run`` and ``liubai chat`` share, and the :class:`AgentConfig` they make."""
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agent.errors import UsageError
 
@@ -53,6 +53,7 @@ def add_agent_options(p: argparse.ArgumentParser) -> None:
         help="decode steps through graphs compiled by inductor (CPU, Llama family, full-precision KV): "
         "faster at batch 1, the first compile ~40 s per batch size and cached on disk (default: off)",
     )
+    add_speculation_options(p.add_argument_group("speculative decoding"))
 
     kv = p.add_argument_group("KV memory")
     kv.add_argument(
@@ -150,6 +151,68 @@ def add_kv_disk_option(group: "argparse._ArgumentGroup | argparse.ArgumentParser
     )
 
 
+def add_speculation_options(group: "argparse._ArgumentGroup | argparse.ArgumentParser") -> None:
+    """``--speculate``, ``--draft-model``, ``--num-draft-tokens`` and ``--draft-weights``: the
+    engine's default for requests (runtime/speculation/), shared by ``run``, ``chat`` and ``serve``."""
+    from agent.config import (
+        DEFAULT_DRAFT_WEIGHTS,
+        DEFAULT_NUM_DRAFT_TOKENS,
+        DEFAULT_SPECULATE,
+        MAX_NUM_DRAFT_TOKENS,
+        SPECULATE_MODES,
+        WEIGHT_FORMATS,
+    )
+
+    group.add_argument(
+        "--speculate",
+        choices=SPECULATE_MODES,
+        default=None,
+        help="speculative decoding: guesses verified in the same step, the same tokens sooner: "
+        "ngram (prompt lookup), draft (a draft model) or off "
+        f"(default: {DEFAULT_SPECULATE}; draft when --draft-model is given)",
+    )
+    group.add_argument(
+        "--draft-model",
+        metavar="PATH_OR_NAME",
+        default=None,
+        help="the draft model (short name, directory or .gguf) sharing the model's tokenizer; "
+        "implies --speculate draft (default: the model itself in --draft-weights)",
+    )
+    group.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=DEFAULT_NUM_DRAFT_TOKENS,
+        metavar="N",
+        help=f"most tokens guessed per step, 1 to {MAX_NUM_DRAFT_TOKENS} "
+        f"(default: {DEFAULT_NUM_DRAFT_TOKENS})",
+    )
+    group.add_argument(
+        "--draft-weights",
+        choices=WEIGHT_FORMATS,
+        default=DEFAULT_DRAFT_WEIGHTS,
+        help=f"the draft model's weight format (default: {DEFAULT_DRAFT_WEIGHTS})",
+    )
+
+
+def speculation_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's speculation options from the parsed flags, checked; a ``UsageError`` names the
+    flag that is wrong."""
+    from agent.config import check_speculation
+
+    try:
+        speculate = check_speculation(
+            args.speculate, args.num_draft_tokens, args.draft_model, args.draft_weights
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    return {
+        "speculate": speculate,
+        "num_draft_tokens": args.num_draft_tokens,
+        "draft_model": args.draft_model,
+        "draft_weights": args.draft_weights,
+    }
+
+
 def agent_config(args: argparse.Namespace) -> "AgentConfig":
     from agent.config import AgentConfig
 
@@ -166,6 +229,10 @@ def agent_config(args: argparse.Namespace) -> "AgentConfig":
             dtype=args.dtype,
             weights=args.weights,
             compile=args.compile,
+            speculate=args.speculate,
+            num_draft_tokens=args.num_draft_tokens,
+            draft_model=args.draft_model,
+            draft_weights=args.draft_weights,
             kv_dtype=args.kv_dtype,
             k_dtype=args.k_dtype,
             v_dtype=args.v_dtype,

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from agent.cli.options import add_kv_disk_option
+from agent.cli.options import add_kv_disk_option, add_speculation_options, speculation_options
 from agent.config import KV_DTYPES, WEIGHT_FORMATS
 from agent.errors import EXIT_FAILURE, EXIT_INTERRUPTED, UsageError, error_line
 from runtime.models.registry import DEFAULT_MODEL
@@ -77,6 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="decode steps through graphs compiled by inductor (CPU, Llama family, full-precision KV): "
         "faster at batch 1, the first compile ~40 s per batch size and cached on disk (default: off)",
     )
+    add_speculation_options(p)
     p.add_argument(
         "--kv-dtype",
         choices=KV_DTYPES,
@@ -108,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         check_weight_format(args.weights, args.dtype)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+    speculation = speculation_options(args)
     api_key = read_api_key(args.api_key_env)
     check_bind(args.host, api_key)
 
@@ -120,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         weights=args.weights,
         compile=args.compile,
+        **speculation,
         kv_dtype=args.kv_dtype,
         k_dtype=args.k_dtype,
         v_dtype=args.v_dtype,
