@@ -291,6 +291,7 @@ class AgentSession:
             "v_dtype": v_dtype,
             "weights": self.backend.weight_format,
             "compiled": self.backend.compiled,
+            "speculate": self.backend.speculate,
         }
 
     def _record(self, kind: str, metrics: RequestMetrics, kv_tokens: int, finish_reason: str | None) -> Cost:

@@ -60,14 +60,26 @@ def usage_of(requests: list[RequestMetrics]) -> dict[str, int]:
 
 
 def timings_of(requests: list[RequestMetrics], ttft_ms: float) -> dict[str, float]:
-    """Prefill and decode time summed over requests, and the decode rate they give together."""
+    """Prefill and decode time summed over requests, and the decode rate they give together;
+    speculative decoding's counters summed, and the acceptance they give together (0 without
+    verification steps)."""
     decode_ms = sum(m.decode_ms for m in requests)
     decoded = sum(max(0, m.num_generated_tokens - 1) for m in requests)
+    spec = RequestMetrics(
+        num_drafts=sum(m.num_drafts for m in requests),
+        num_draft_tokens=sum(m.num_draft_tokens for m in requests),
+        num_accepted_tokens=sum(m.num_accepted_tokens for m in requests),
+    )
     return {
         "ttft_ms": round(ttft_ms, 3),
         "prefill_ms": round(sum(m.prefill_ms for m in requests), 3),
         "decode_ms": round(decode_ms, 3),
         "decode_tok_s": round(decoded / (decode_ms / 1000), 3) if decode_ms > 0 else 0.0,
+        "num_drafts": spec.num_drafts,
+        "num_draft_tokens": spec.num_draft_tokens,
+        "num_accepted_tokens": spec.num_accepted_tokens,
+        "acceptance_rate": round(spec.acceptance_rate, 4),
+        "mean_accepted_length": round(spec.mean_accepted_length, 3),
     }
 
 

@@ -16,11 +16,20 @@ class ScriptedBackend:
     kind = "local"
     model_name = "scripted"
 
-    def __init__(self, tokenizer: Any, replies: list[str], gate: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        replies: list[str],
+        gate: threading.Event | None = None,
+        drafts: tuple[int, int, int] | None = None,
+    ) -> None:
+        """``drafts``: every request's (num_drafts, num_draft_tokens, num_accepted_tokens), as an
+        engine speculating with ngram counts them; None: an engine that does not speculate."""
         self._tokenizer = tokenizer
         self.replies = list(replies)
         self.prompts: list[ChatPrompt] = []
         self.gate = gate
+        self.drafts = drafts
 
     @property
     def tokenizer(self) -> Any:
@@ -43,6 +52,10 @@ class ScriptedBackend:
         return False
 
     @property
+    def speculate(self) -> str:
+        return "off" if self.drafts is None else "ngram"
+
+    @property
     def max_context_tokens(self) -> int:
         return 8192
 
@@ -58,6 +71,7 @@ class ScriptedBackend:
                 self.gate.wait(5)
             yield CompletionDelta("r", [0], piece)
         assert prompt.token_ids is not None
+        num_drafts, num_draft_tokens, num_accepted_tokens = self.drafts or (0, 0, 0)
         metrics = RequestMetrics(
             num_prompt_tokens=len(prompt.token_ids),
             num_prefilled_tokens=len(prompt.token_ids),
@@ -65,5 +79,8 @@ class ScriptedBackend:
             ttft_ms=12.0,
             num_generated_tokens=len(pieces),
             decode_ms=20.0,
+            num_drafts=num_drafts,
+            num_draft_tokens=num_draft_tokens,
+            num_accepted_tokens=num_accepted_tokens,
         )
         yield CompletionDelta("r", [], "", finished=True, finish_reason="stop", metrics=metrics)

@@ -84,6 +84,8 @@ def test_script_json_fields_and_database_rows(backend: LocalBackend, tmp_path: P
     assert result["kv"]["budget_bytes"] == 2048 * backend.bytes_per_token
     assert result["kv"]["k_dtype"] == "float32" and result["timings"]["ttft_ms"] > 0
     assert result["kv"]["weights"] == "float32" and result["kv"]["compiled"] is False
+    assert result["kv"]["speculate"] == "off" and result["timings"]["num_drafts"] == 0
+    assert result["timings"]["acceptance_rate"] == 0 and result["timings"]["mean_accepted_length"] == 0
 
     store = Store(config.db)
     rows = store.requests(result["session_id"])
@@ -147,6 +149,64 @@ def test_jsonl_streams_events_then_the_result(backend: LocalBackend, tmp_path: P
     assert answer.strip() == records[-1]["answer"].strip()
     # The last line is the object --json prints.
     assert set(records[-1]) >= {"answer", "session_id", "is_error", "usage", "timings", "kv", "cost"}
+
+
+REPEAT_PROMPT = (
+    "Repeat this list exactly, one item per line: apple, banana, cherry, date, elderberry, fig, "
+    "grape, honeydew, kiwi, lemon, mango, nectarine, orange, papaya."
+)
+
+
+@pytest.mark.model
+def test_speculate_ngram_reports_its_guesses_in_json_and_the_database(
+    default_model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``liubai run --speculate ngram --json``: the engine guesses from the prompt (a list to
+    repeat, where prompt lookup pays), and what it guessed and accepted reaches ``timings``, the
+    engine's mode ``kv.speculate``, and each request's row in the store."""
+    from agent.cli import main as cli
+
+    db = tmp_path / "t.db"
+    args = ["run", "--json", "--speculate", "ngram", "--num-draft-tokens", "4", "--kv-pool", "64MiB"]
+    code = cli.main(
+        [*args, "--kv-disk", "0", "--max-tokens", "40", "--no-tools", "--db", str(db), REPEAT_PROMPT]
+    )
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    t = result["timings"]
+    assert result["kv"]["speculate"] == "ngram"
+    assert (
+        t["num_drafts"] > 0 and 0 < t["num_accepted_tokens"] <= t["num_draft_tokens"] <= 4 * t["num_drafts"]
+    )
+    assert t["acceptance_rate"] == pytest.approx(t["num_accepted_tokens"] / t["num_draft_tokens"], abs=1e-4)
+    assert t["mean_accepted_length"] == pytest.approx(
+        1 + t["num_accepted_tokens"] / t["num_drafts"], abs=1e-3
+    )
+    assert result["turns"][0]["timings"]["num_drafts"] == t["num_drafts"]
+    (row,) = Store(db).requests(result["session_id"])
+    assert (row["num_drafts"], row["num_draft_tokens"], row["num_accepted_tokens"]) == (
+        t["num_drafts"],
+        t["num_draft_tokens"],
+        t["num_accepted_tokens"],
+    )
+
+
+def test_timing_line_says_what_speculation_accepted(tmp_path: Path, default_model_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from tests.scripted_backend import ScriptedBackend
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path)
+    lines = []
+    for drafts in (None, (2, 8, 5)):
+        err = io.StringIO()
+        backend = ScriptedBackend(tokenizer, ["Apple, banana, cherry."], drafts=drafts)
+        config = AgentConfig(db=str(tmp_path / "t.db"), tools=False)
+        assert run_headless(config, HeadlessRun(prompt="List fruit."), io.StringIO(), err, backend) == 0  # type: ignore[arg-type]
+        lines.append(err.getvalue().strip())
+    plain, speculated = lines
+    assert "tok/s) ·" in plain and "accepted" not in plain
+    assert "tok/s, accepted 3.5) ·" in speculated
 
 
 @pytest.mark.parametrize(

@@ -75,7 +75,7 @@ def test_same_answers_through_both_backends(
     assert remote["kv"]["budget_tokens"] == 4096
     assert remote["kv"]["bytes"] is None and remote["kv"]["budget_bytes"] is None
     assert remote["kv"]["k_dtype"] is None and remote["kv"]["weights"] is None
-    assert remote["kv"]["compiled"] is None
+    assert remote["kv"]["compiled"] is None and remote["kv"]["speculate"] is None
 
 
 def test_remote_model_without_a_local_tokenizer_is_counted_and_labelled(

@@ -36,7 +36,16 @@ TERMINAL = (130, 40)
 class ReplayBackend:
     """A backend with a real tokenizer and scripted replies; ``remote=True`` plays a server."""
 
-    def __init__(self, tokenizer: Any, replies: list[str], remote: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        replies: list[str],
+        remote: bool = False,
+        drafts: tuple[int, int, int] | None = None,
+    ) -> None:
+        """``drafts``: every reply's (num_drafts, num_draft_tokens, num_accepted_tokens), as a
+        speculating engine counts them; None: no speculation."""
+        self.drafts = drafts
         self.tokenizer = tokenizer
         self.replies = list(replies)
         self.kind = "openai" if remote else "local"
@@ -63,6 +72,10 @@ class ReplayBackend:
         return None if self.remote else False
 
     @property
+    def speculate(self) -> str | None:
+        return None if self.remote else "off" if self.drafts is None else "ngram"
+
+    @property
     def max_context_tokens(self) -> int | None:
         return None if self.remote else 8192
 
@@ -87,6 +100,7 @@ class ReplayBackend:
         self._queried += len(ids)
         self._hit += cached
         prefilled = len(ids) - cached
+        num_drafts, num_draft_tokens, num_accepted_tokens = self.drafts or (0, 0, 0)
         metrics = RequestMetrics(
             num_prompt_tokens=len(ids),
             num_cached_tokens=cached,
@@ -95,6 +109,9 @@ class ReplayBackend:
             ttft_ms=prefilled * 0.5 + 4.0,
             num_generated_tokens=len(words),
             decode_ms=(len(words) - 1) * 40.0,
+            num_drafts=num_drafts,
+            num_draft_tokens=num_draft_tokens,
+            num_accepted_tokens=num_accepted_tokens,
         )
         yield CompletionDelta("replay", [], "", finished=True, finish_reason="stop", metrics=metrics)
 
@@ -149,10 +166,16 @@ def fixed_ids(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def replay_session(
-    tokenizer: Any, tmp_path: Path, *, remote: bool = False, replies: list[str] = REPLIES, **options: Any
+    tokenizer: Any,
+    tmp_path: Path,
+    *,
+    remote: bool = False,
+    replies: list[str] = REPLIES,
+    drafts: tuple[int, int, int] | None = None,
+    **options: Any,
 ) -> AgentSession:
     config = AgentConfig(**{"max_tokens": 32, "tools": False, "db": str(tmp_path / "replay.db"), **options})
-    backend = ReplayBackend(tokenizer, replies, remote=remote)
+    backend = ReplayBackend(tokenizer, replies, remote=remote, drafts=drafts)
     return AgentSession.open(backend, Store(config.db), config)  # type: ignore[arg-type]
 
 

@@ -172,9 +172,11 @@ def _timing_line(event: TurnFinished) -> str:
     kv = event.kv
     budget = f"/{kv['budget_tokens']:,}" if kv.get("budget_tokens") else ""
     disk = f", {u['disk_cached_tokens']} from disk" if u.get("disk_cached_tokens") else ""
+    accepted = f", accepted {t['mean_accepted_length']:.1f}" if t.get("num_drafts") else ""
     return (
         f"turn {event.turn} · prompt {u['prompt_tokens']} tok (cached {u['cached_tokens']}{disk}) · "
-        f"ttft {t['ttft_ms']:.0f} ms · {u['generated_tokens']} tok ({t['decode_tok_s']:.1f} tok/s) · "
+        f"ttft {t['ttft_ms']:.0f} ms · "
+        f"{u['generated_tokens']} tok ({t['decode_tok_s']:.1f} tok/s{accepted}) · "
         f"kv {kv.get('tokens', 0):,}{budget} tok"
     )
 

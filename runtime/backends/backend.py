@@ -56,6 +56,10 @@ class Backend(Protocol):
         """Whether decode steps run through compiled graphs now, or None where unknown."""
 
     @property
+    def speculate(self) -> str | None:
+        """How the engine speculates by default ("off", "ngram" or "draft"), or None where unknown."""
+
+    @property
     def max_context_tokens(self) -> int | None:
         """The most tokens one conversation's KV can hold (the model's context, within the KV
         pool), or None when the backend cannot know."""
@@ -100,6 +104,10 @@ class LocalBackend:
     @property
     def compiled(self) -> bool:
         return bool(self.engine.compiled)
+
+    @property
+    def speculate(self) -> str:
+        return str(self.engine.config.speculate)
 
     @property
     def max_context_tokens(self) -> int:

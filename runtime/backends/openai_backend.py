@@ -111,6 +111,10 @@ class OpenAIBackend:
     def compiled(self) -> None:
         return None
 
+    @property
+    def speculate(self) -> None:
+        return None
+
     @cached_property
     def max_context_tokens(self) -> int | None:
         """This model's context on the server, where its ``GET /v1/models`` card states one
