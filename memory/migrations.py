@@ -149,3 +149,12 @@ def m004_request_disk_hits(db: sqlite_utils.Database) -> None:
     """Of each request's cached tokens, how many the prefix cache's disk tier loaded (0 in
     requests recorded before the tier existed: they had none)."""
     db["requests"].add_column("disk_cached_tokens", int, not_null_default=0)  # type: ignore[union-attr]
+
+
+@migration
+def m005_request_speculation(db: sqlite_utils.Database) -> None:
+    """Each request's speculative decoding: verification steps, guessed tokens and the guesses the
+    model accepted (RequestMetrics' num_drafts / num_draft_tokens / num_accepted_tokens; 0 in
+    requests recorded before speculation existed: they guessed nothing)."""
+    for column in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        db["requests"].add_column(column, int, not_null_default=0)  # type: ignore[union-attr]

@@ -124,3 +124,40 @@ def test_show_says_how_many_facts_a_compaction_kept(
     code, out = run(capsys, "--db", str(path), "show", session.session_id, "--json")
     (compaction,) = json.loads(out)["compactions"]
     assert [f["text"] for f in compaction["ledger"]] == ["Ada", "Pixel", "14:30"]
+
+
+def test_show_says_what_speculation_accepted_where_it_guessed(
+    db: Path, tmp_path: Path, tokenizer: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each request's guesses are stored (m005) and ``logs show`` gives the accepted share and the
+    tokens per verification step; a session that never speculated keeps its table as it was."""
+    path = tmp_path / "spec.db"
+    backend = ScriptedBackend(tokenizer, ["One two three.", "Four."], drafts=(3, 12, 7))
+    session = AgentSession.open(backend, Store(path), AgentConfig(db=str(path), tools=False))  # type: ignore[arg-type]
+    session.run_turn("first")
+    session.run_turn("second")
+    rows = Store(path).requests(session.session_id)
+    assert [(r["num_drafts"], r["num_draft_tokens"], r["num_accepted_tokens"]) for r in rows] == [
+        (3, 12, 7)
+    ] * 2
+
+    code, out = run(capsys, "--db", str(path), "show", session.session_id)
+    assert code == 0
+    header, *lines = out.splitlines()[2:]
+    assert header.split()[-4:] == ["decode", "accepted", "kv", "cost"]
+    assert [line for line in lines if "7/12 (58%) · 3.3/step" in line] == lines
+    _, exported = run(capsys, "--db", str(path), "export", "--format", "jsonl")
+    assert json.loads(exported.splitlines()[0])["num_accepted_tokens"] == 7
+
+    plain = Store(db).list_sessions()[0].id
+    code, out = run(capsys, "--db", str(db), "show", plain)
+    assert code == 0 and "accepted" not in out
+
+
+def test_database_from_a_newer_liubai_is_one_line(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = Store(db)
+    store.db.table("_migrations").insert({"name": "m006_from_the_future", "applied_at": "2099-01-01"})
+    store.close()
+    assert cli.main(["logs", "--db", str(db)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("liubai: error: ") and "m006_from_the_future" in err[0]

@@ -34,6 +34,7 @@ SCHEMA = {
         "prompt_tokens", "cached_tokens", "prefilled_tokens", "generated_tokens", "queue_ms", "prefill_ms",
         "ttft_ms", "decode_ms", "prefill_tok_s", "decode_tok_s", "kv_tokens", "kv_bytes", "budget_tokens",
         "compute_s", "cost_usd", "finish_reason", "interrupted", "token_source", "disk_cached_tokens",
+        "num_drafts", "num_draft_tokens", "num_accepted_tokens",
     ],
     "_migrations": ["name", "applied_at"],
 }  # fmt: skip
@@ -253,4 +254,34 @@ def test_database_from_before_the_ledger_migrates_and_keeps_its_rows(tmp_path: P
     assert (record.tokens_before, record.tokens_after, record.dropped_ids) == (900, 300, [1, 2])
     assert record.ledger == [] and record.num_facts_kept == 0 and record.num_facts_folded == 0
     assert store.schema_version == len(MIGRATIONS)
+    store.close()
+
+
+def test_database_from_before_speculation_migrates_and_reads_zero_guesses(tmp_path: Path) -> None:
+    """A database written before m005 opens: its request rows read back whole, with no guesses, and
+    new requests record theirs beside them."""
+    import sqlite_utils
+
+    path = tmp_path / "old.db"
+    db = sqlite_utils.Database(path)
+    for fn in MIGRATIONS[:4]:
+        fn(db)
+    db["_migrations"].insert_all({"name": fn.__name__, "applied_at": "2026-01-01"} for fn in MIGRATIONS[:4])
+    db["sessions"].insert({"id": "old", "created": "c", "updated": "u", "model": "m", "backend": "local",
+                           "system": "s", "budget_spec": "4096tok", "budget_tokens": 4096,
+                           "high_watermark": 0.85, "low_watermark": 0.55, "reserve_tokens": 256,
+                           "window_start": 0})  # fmt: skip
+    db["requests"].insert({"session_id": "old", "created": "c", "kind": "turn", "turn": 1,
+                           "prompt_tokens": 40, "generated_tokens": 9, "disk_cached_tokens": 16})  # fmt: skip
+    db.conn.close()
+
+    store = Store(path)
+    store.add_request("old", {"kind": "turn", "turn": 2, "num_drafts": 3, "num_draft_tokens": 12,
+                              "num_accepted_tokens": 7})  # fmt: skip
+    before, after = store.requests("old")
+    assert (before["prompt_tokens"], before["generated_tokens"], before["disk_cached_tokens"]) == (40, 9, 16)
+    assert (before["num_drafts"], before["num_draft_tokens"], before["num_accepted_tokens"]) == (0, 0, 0)
+    assert (after["num_drafts"], after["num_draft_tokens"], after["num_accepted_tokens"]) == (3, 12, 7)
+    assert store.schema_version == len(MIGRATIONS)
+    assert [r["name"] for r in store.db["_migrations"].rows][-1] == "m005_request_speculation"
     store.close()

@@ -14,8 +14,10 @@ from typing import Any, TextIO
 
 from memory.compaction import describe_facts
 from memory.store import Store
+from runtime.engine.metrics import RequestMetrics
 
 EXPORT_FORMATS = ("jsonl", "csv")
+SPEC_COLUMNS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 @dataclass(slots=True)
@@ -189,6 +191,10 @@ def show_session(store: Store, session_id: str, as_json: bool, out: TextIO) -> N
         ]
         for r in requests
     ]
+    if any(r.get("num_drafts") for r in requests):  # a session that speculated: its acceptance
+        headers.insert(headers.index("decode") + 1, "accepted")
+        for row, r in zip(rows, requests, strict=True):
+            row.insert(headers.index("accepted"), _acceptance(r))
     _table(headers, rows, out)
     if compactions:
         out.write("\ncompactions\n")
@@ -201,6 +207,16 @@ def show_session(store: Store, session_id: str, as_json: bool, out: TextIO) -> N
                 + (f"  focus: {c.focus}" if c.focus else "")
                 + "\n"
             )
+
+
+def _acceptance(row: dict[str, Any]) -> str:
+    """A request's speculation: the guesses the model accepted of those drafted, and the tokens a
+    verification step yielded on average (as RequestMetrics computes them); "-" where none."""
+    drafts, drafted, accepted = (int(row.get(k) or 0) for k in SPEC_COLUMNS)
+    if not drafts:
+        return "-"
+    metrics = RequestMetrics(num_drafts=drafts, num_draft_tokens=drafted, num_accepted_tokens=accepted)
+    return f"{accepted}/{drafted} ({metrics.acceptance_rate:.0%}) · {metrics.mean_accepted_length:.1f}/step"
 
 
 def export_requests(store: Store, fmt: str, session_id: str | None, out: TextIO) -> None:
