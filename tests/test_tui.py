@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from textual.pilot import Pilot
-from textual.widgets import Input
+from textual.widgets import Input, Label
 
 from agent.config import AgentConfig
 from agent.session import AgentSession
@@ -388,6 +388,41 @@ def test_stats_screen_shows_the_cost_slope_once_it_can_be_fitted(tokenizer: Any,
     run_app(session, scenario)
     assert "## Cost slope" in seen["early"] and "Not enough turns yet" in seen["early"]
     assert "decode ms/token" in seen["later"] and "per 1k ctx" in seen["later"]
+
+
+def test_latency_panel_says_what_speculation_accepted(tokenizer: Any, tmp_path: Path) -> None:
+    """Beside the decode speed, the tokens a verification step accepted on average in the last
+    turn; a resumed session shows it from its stored requests; a turn that guessed nothing (or a
+    backend that does not speculate) leaves the row as it always was."""
+    drafts = (4, 16, 10)  # 10 of 16 guesses accepted over 4 steps: 1 + 10/4 = 3.5 tokens a step
+    session = open_session(ReplayBackend(tokenizer, REPLIES, drafts=drafts), tmp_path, kv_budget="2000tok")
+    seen: dict[str, Any] = {}
+
+    def accepted(app: LiubaiApp) -> tuple[bool, str]:
+        label = app.chat.query_one(LatencyPanel).query_one("#accepted", Label)
+        return bool(label.display), str(label.render())
+
+    async def scenario(app: LiubaiApp, pilot: Pilot[None]) -> None:
+        seen["before"] = accepted(app)[0]
+        await send(app, pilot, "What are tides?")
+        seen["after"] = accepted(app)
+        seen["decode"] = str(app.chat.query_one("#value-decode", Label).render())
+
+    run_app(session, scenario)
+    assert seen["before"] is False
+    assert seen["after"] == (True, "· accepted 3.5") and seen["decode"].endswith("tok/s")
+
+    resumed = open_session(
+        ReplayBackend(tokenizer, REPLIES), tmp_path, session.session_id, kv_budget="2000tok"
+    )
+
+    async def again(app: LiubaiApp, pilot: Pilot[None]) -> None:
+        seen["resumed"] = accepted(app)
+        await send(app, pilot, "And coral reefs?")
+        seen["plain"] = accepted(app)[0]
+
+    run_app(resumed, again)
+    assert seen["resumed"] == (True, "· accepted 3.5") and seen["plain"] is False
 
 
 def test_remote_backend_shows_what_it_knows_and_na_for_the_rest(tokenizer: Any, tmp_path: Path) -> None:

@@ -234,6 +234,17 @@ def test_snapshot_remote_backend(snap_compare: Any, tokenizer: Any, tmp_path: Pa
     assert snap_compare(app, terminal_size=TERMINAL, run_before=run_before)
 
 
+def test_snapshot_speculation(snap_compare: Any, tokenizer: Any, tmp_path: Path, fixed_ids: None) -> None:
+    """An engine that speculates: the latency panel's decode row also says how many tokens a
+    verification step accepted on average (1 + 10/4 here)."""
+    app = LiubaiApp(replay_session(tokenizer, tmp_path, kv_budget="2000tok", drafts=(4, 16, 10)))
+
+    async def run_before(pilot: Pilot[None]) -> None:
+        await send(pilot, "What are tides?")
+
+    assert snap_compare(app, terminal_size=TERMINAL, run_before=run_before)
+
+
 def test_snapshot_help(snap_compare: Any, tokenizer: Any, tmp_path: Path, fixed_ids: None) -> None:
     """/help over the chat."""
     app = LiubaiApp(replay_session(tokenizer, tmp_path, kv_budget="2000tok"))

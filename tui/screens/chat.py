@@ -26,6 +26,7 @@ from agent.errors import one_line
 from agent.events import Event
 from agent.session import AgentSession, TurnInterrupted
 from memory.errors import MemoryLayerError
+from runtime.engine.metrics import RequestMetrics
 from runtime.errors import EngineError
 from tui.command_palette import SlashCommandProvider
 from tui.commands import CommandError, SlashCommand, is_command, parse_command
@@ -120,11 +121,16 @@ class ChatScreen(Screen[None]):
             self.totals.add_row(row)
             self.hits = self.hits.add(int(row.get("cached_tokens") or 0), int(row.get("prompt_tokens") or 0))
             if row.get("kind") == "turn":
+                spec = RequestMetrics(
+                    num_drafts=int(row.get("num_drafts") or 0),
+                    num_accepted_tokens=int(row.get("num_accepted_tokens") or 0),
+                )
                 samples.append(
                     LatencySample(
                         float(row.get("ttft_ms") or 0.0),
                         float(row.get("prefill_tok_s") or 0.0),
                         float(row.get("decode_tok_s") or 0.0),
+                        spec.mean_accepted_length,
                     )
                 )
         self.query_one(LatencyPanel).add(*samples)
@@ -313,7 +319,12 @@ class ChatScreen(Screen[None]):
         self.query_one(PoolPanel).hits = self.hits
         if e.kind == "turn":
             m = e.metrics
-            sample = LatencySample(float(m["ttft_ms"]), float(m["prefill_tok_s"]), float(m["decode_tok_s"]))
+            sample = LatencySample(
+                float(m["ttft_ms"]),
+                float(m["prefill_tok_s"]),
+                float(m["decode_tok_s"]),
+                float(m.get("mean_accepted_length") or 0.0),
+            )
             self.query_one(LatencyPanel).add(sample)
         if e.kind != "summary":
             self._show_kv(int(e.kv["tokens"]), "last request")

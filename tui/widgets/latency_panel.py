@@ -1,7 +1,9 @@
 """Latency of the session's turns: the last TTFT, prefill and decode speed, with sparklines.
 
 Each point is one turn's first request (the one that answers the user), as the engine measured
-it; a resumed session starts with the points its stored requests recorded.
+it; a resumed session starts with the points its stored requests recorded. When the last turn's
+request verified guesses (speculative decoding), the decode row also says how many tokens a step
+accepted on average; without speculation the row is as it always was.
 """
 
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ class LatencySample:
     ttft_ms: float
     prefill_tok_s: float
     decode_tok_s: float
+    mean_accepted_length: float = 0.0  # RequestMetrics.mean_accepted_length; 0: no guesses verified
 
 
 SERIES = (
@@ -38,6 +41,7 @@ class LatencyPanel(Widget):
         & > Horizontal { height: 1; }
         & .name { width: 8; color: $text-muted; }
         & .value { width: 12; text-align: right; margin-right: 1; }
+        & #accepted { display: none; width: auto; margin-right: 1; color: $text-muted; }
         & Sparkline { width: 1fr; height: 1; }
     }
     """
@@ -51,6 +55,8 @@ class LatencyPanel(Widget):
             with Horizontal(id=f"row-{key}"):
                 yield Label(name, classes="name")
                 yield Label("n/a", id=f"value-{key}", classes="value")
+                if key == "decode":
+                    yield Label("", id="accepted")
                 yield Sparkline([], id=f"spark-{key}")
 
     def on_mount(self) -> None:
@@ -67,3 +73,7 @@ class LatencyPanel(Widget):
             value = value_of(last) if last is not None else 0.0
             self.query_one(f"#value-{key}", Label).update(fmt(value) if value else "n/a")
             self.query_one(f"#spark-{key}", Sparkline).data = [value_of(s) for s in self.samples]
+        accepted = self.query_one("#accepted", Label)
+        accepted.display = last is not None and last.mean_accepted_length > 0
+        if last is not None and accepted.display:
+            accepted.update(f"· accepted {last.mean_accepted_length:.1f}")
