@@ -308,6 +308,9 @@ def test_metrics_are_prometheus_text_and_move_with_traffic(
         "vllm:inter_token_latency_seconds": "histogram",
         "liubai:weights_info": "gauge",
         "liubai:decode_compiled": "gauge",
+        "vllm:spec_decode_num_drafts_total": "counter",
+        "vllm:spec_decode_num_draft_tokens_total": "counter",
+        "vllm:spec_decode_num_accepted_tokens_total": "counter",
     }.items() <= types.items()
     assert 'liubai:weights_info{model_name="' in raw.decode() and 'format="float32"} 1' in raw.decode()
 
@@ -334,6 +337,25 @@ def test_metrics_are_prometheus_text_and_move_with_traffic(
     assert moved("vllm:inter_token_latency_seconds_count") == 7
     assert value_of(after, "vllm:num_requests_running") == 0
     assert 0 <= value_of(after, "vllm:kv_cache_usage_perc") <= 1
+    assert moved("vllm:spec_decode_num_drafts_total") == 0  # the engine does not speculate by default
+
+
+def test_metrics_count_speculative_guesses(server: OpenAIServer, engine: Engine) -> None:
+    """The spec_decode counters are the engine's totals: a request that speculates (prompt lookup
+    over a list to repeat) moves them by what its own metrics counted."""
+    prompt = "Repeat exactly: red, green, blue, red, green, blue, red, green, blue, red, green,"
+    before = scrape(server)
+    [completion] = engine.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True, speculate="ngram"))
+    after = scrape(server)
+    m = completion.metrics
+    assert m.num_drafts > 0
+
+    def moved(name: str) -> float:
+        return value_of(after, name, model_name=MODEL) - value_of(before, name, model_name=MODEL)
+
+    assert moved("vllm:spec_decode_num_drafts_total") == m.num_drafts
+    assert moved("vllm:spec_decode_num_draft_tokens_total") == m.num_draft_tokens
+    assert moved("vllm:spec_decode_num_accepted_tokens_total") == m.num_accepted_tokens
 
 
 # --- bad input ---------------------------------------------------------------------------------

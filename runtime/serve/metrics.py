@@ -103,6 +103,22 @@ class ServerMetrics:
         out.counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine.", stats.num_preemptions
         )
+        # Speculative decoding, as vLLM's SpecDecodingProm names it (0 while nothing speculates).
+        out.counter(
+            "vllm:spec_decode_num_drafts",
+            "Number of spec decoding drafts.",
+            stats.spec_num_drafts,
+        )
+        out.counter(
+            "vllm:spec_decode_num_draft_tokens",
+            "Number of draft tokens.",
+            stats.spec_num_draft_tokens,
+        )
+        out.counter(
+            "vllm:spec_decode_num_accepted_tokens",
+            "Number of accepted tokens.",
+            stats.spec_num_accepted_tokens,
+        )
         out.gauge(
             "liubai:kv_cache_bytes_in_use",
             "Bytes of the KV blocks live requests hold.",
