@@ -1,0 +1,303 @@
+"""Speculative decoding (runtime/speculation/): guesses change how fast tokens come, never which.
+
+Greedy output with the ngram and draft-model drafters must equal plain decoding (and
+transformers' ``generate()``) token for token in float32: alone, batched with requests that do
+not speculate, after a prefix hit, over an int8 KV pool and in a pool small enough to preempt.
+Rejected guesses must give their blocks back and never reach the prefix cache; sampling must
+keep the distribution it draws from.
+"""
+
+import json
+import math
+from collections import Counter
+from collections.abc import Sequence as SequenceOf
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime import Engine, SamplingParams
+from runtime.engine.sequence import Sequence
+from runtime.errors import DraftModelError
+from runtime.speculation.adaptive import DraftLength
+from runtime.speculation.ngram import NgramDrafter
+from runtime.speculation.verify import verify_greedy, verify_sampled
+from tests.engine_helpers import PROMPTS, chat_ids, hf_greedy
+from tests.tiny_models import make_tiny_model
+
+NEW_TOKENS = 64
+# Prompts whose replies repeat what they were given (where guessing pays), and one that does not.
+SPEC_PROMPTS = [
+    "Repeat this list exactly, one item per line: apple, banana, cherry, date, elderberry, fig, "
+    "grape, honeydew, kiwi, lemon, mango, nectarine, orange, papaya.",
+    "Here is a function:\n\ndef total(xs):\n    s = 0\n    for x in xs:\n        s = s + x\n    return s\n\n"
+    "Rename s to acc and return the whole function.",
+    PROMPTS[1],
+]
+
+
+def params(mode: str, **kw: object) -> SamplingParams:
+    return SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, speculate=mode, **kw)  # type: ignore[arg-type]
+
+
+# -- the real default model, float32 --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_path: Path) -> Engine:
+    return Engine(default_model_path, kv_pool="64MiB", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(engine: Engine) -> list[list[int]]:
+    return [chat_ids(engine, p) for p in SPEC_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(engine: Engine, prompt_ids: list[list[int]]) -> list[list[int]]:
+    return [hf_greedy(engine, ids, NEW_TOKENS, ignore_eos=True) for ids in prompt_ids]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+def test_greedy_tokens_equal_generate_alone_and_batched(engine: Engine, prompt_ids, reference, mode) -> None:
+    engine.reset_prefix_cache()
+    batched = engine.generate(prompt_ids, params(mode))
+    assert [c.token_ids for c in batched] == reference
+    engine.reset_prefix_cache()
+    alone = engine.generate(prompt_ids[0], params(mode))[0]
+    assert alone.token_ids == reference[0]
+    # The guesses were really made and verified: the list is copied from the prompt.
+    copied = alone.metrics
+    assert copied.num_drafts > 0 and copied.num_accepted_tokens > copied.num_draft_tokens / 2
+    assert copied.mean_accepted_length == pytest.approx(1 + copied.num_accepted_tokens / copied.num_drafts)
+    assert copied.acceptance_rate == pytest.approx(copied.num_accepted_tokens / copied.num_draft_tokens)
+    assert engine.stats().num_blocks_used == 0
+
+
+@pytest.mark.model
+def test_speculating_beside_plain_requests_and_after_a_prefix_hit(
+    engine: Engine, prompt_ids, reference
+) -> None:
+    engine.reset_prefix_cache()
+    mixed = engine.generate(prompt_ids, [params("ngram"), params("off"), params("draft")])
+    assert [c.token_ids for c in mixed] == reference
+    assert mixed[1].metrics.num_drafts == 0
+    again = engine.generate(prompt_ids[1], params("ngram"))[0]
+    assert again.metrics.num_cached_tokens > 0
+    assert again.token_ids == reference[1]
+    stats = engine.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
+
+
+@pytest.mark.model
+def test_int8_kv_pool_speculation_equals_plain(default_model_path: Path, prompt_ids) -> None:
+    int8 = Engine(default_model_path, kv_pool="32MiB", dtype="float32", device="cpu", kv_dtype="int8")
+    plain = [c.token_ids for c in int8.generate(prompt_ids, params("off"))]
+    int8.reset_prefix_cache()
+    guessed = int8.generate(prompt_ids, params("ngram"))
+    assert [c.token_ids for c in guessed] == plain
+    assert sum(c.metrics.num_accepted_tokens for c in guessed) > 0
+    assert int8.stats().num_blocks_used == 0 and int8.kv_cache.num_open_blocks == 0
+
+
+@pytest.mark.model
+def test_preempting_pool_keeps_the_tokens(default_model_path: Path, prompt_ids, reference) -> None:
+    bytes_per_block = 16 * 2 * 30 * 3 * 64 * 4  # 14 blocks: the three requests cannot all fit
+    tight = Engine(default_model_path, kv_pool=14 * bytes_per_block, device="cpu", dtype="float32")
+    completions = tight.generate(prompt_ids, params("ngram"))
+    assert [c.token_ids for c in completions] == reference
+    stats = tight.stats()
+    assert stats.num_preemptions > 0 and stats.spec_num_drafts > 0
+    assert stats.num_blocks_used == 0
+
+
+@pytest.mark.model
+def test_draft_model_with_another_vocabulary_is_one_line_error(
+    default_model_path: Path, tmp_path: Path
+) -> None:
+    other = make_tiny_model("llama", tmp_path / "other-vocab", default_model_path)
+    tokenizer_json = json.loads((other / "tokenizer.json").read_text())
+    size = len(tokenizer_json["model"]["vocab"])
+    tokenizer_json["added_tokens"].append(
+        {"id": size, "content": "<liubai-only>", "single_word": False, "lstrip": False,
+         "rstrip": False, "normalized": False, "special": True}
+    )  # fmt: skip
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    with pytest.raises(DraftModelError) as error:
+        Engine(default_model_path, kv_pool="16MiB", device="cpu", speculate="draft", draft_model=other,
+               draft_weights="auto")  # fmt: skip
+    message = str(error.value)
+    assert "\n" not in message and "another vocabulary" in message
+
+
+# -- rollback, on a tiny model ------------------------------------------------------------------
+
+
+class WrongGuesses:
+    """A drafter that guesses mostly wrong: the token after the last one, k times over."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def propose(self, seqs: SequenceOf[Sequence], num_tokens: SequenceOf[int]) -> list[list[int]]:
+        return [
+            [(s.token_ids[-1] + 1 + i) % self.vocab_size for i in range(k)]
+            for s, k in zip(seqs, num_tokens, strict=True)
+        ]
+
+    def forget(self, seq: Sequence) -> None:
+        pass
+
+
+def cache_contents(engine: Engine) -> dict[bytes, tuple[int, tuple[int, ...] | None]]:
+    bm = engine.block_manager
+    return {h: (b, bm.blocks[b].token_ids) for h, b in bm.cached_blocks.items()}
+
+
+def test_rejected_guesses_leave_no_blocks_and_no_cached_guesses(
+    tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Three guesses every step, whatever happened (blocks of 4: most steps cross into a new one).
+    monkeypatch.setattr(DraftLength, "update", lambda self, drafted, accepted: None)
+
+    def run(mode: str) -> tuple[Engine, list[int]]:
+        engine = Engine(tiny_llama_path, kv_pool="4MiB", block_size=4, device="cpu", dtype="float32")
+        engine._drafters["ngram"] = WrongGuesses(engine.model.config.vocab_size)
+        out = engine.generate(
+            [5, 6, 7, 8, 9, 10, 11],
+            SamplingParams(max_tokens=41, ignore_eos=True, speculate=mode, num_draft_tokens=3),
+        )
+        return engine, out[0].token_ids
+
+    plain, plain_tokens = run("off")
+    guessed, guessed_tokens = run("ngram")
+    assert guessed_tokens == plain_tokens
+    stats = guessed.stats()
+    assert stats.spec_num_draft_tokens - stats.spec_num_accepted_tokens > 100, "the guesses must mostly miss"
+    assert stats.num_blocks_used == 0
+    assert len(guessed.block_manager.free_queue) == guessed.block_manager.num_blocks
+    # The same blocks hold the same verified tokens as after plain decoding, nothing more.
+    assert cache_contents(guessed) == cache_contents(plain)
+    tokens = [5, 6, 7, 8, 9, 10, 11, *plain_tokens]
+    cached = sorted(cache_contents(guessed).values(), key=lambda v: v[0])
+    assert [t for _, t in cached] == [tuple(tokens[i : i + 4]) for i in range(0, 4 * len(cached), 4)]
+
+
+def test_ngram_proposes_what_followed_the_latest_match() -> None:
+    class Seq:
+        def __init__(self, tokens: list[int]) -> None:
+            self.token_ids = tokens
+
+    drafter = NgramDrafter()
+    seq = Seq([1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
+    assert drafter.propose([seq], [3]) == [[4, 5, 6]]  # the latest "1 2 3" was followed by 4 5 6
+    seq.token_ids.extend([4, 8, 1, 2])
+    assert drafter.propose([seq], [2]) == [[3, 4]]  # the index grew with the new tokens
+    assert drafter.propose([Seq([1, 2, 3, 4])], [5]) == [[]]  # no earlier occurrence: no guess
+
+
+def test_draft_length_grows_after_hits_and_shrinks_after_misses() -> None:
+    length = DraftLength(8)
+    assert length.current == 8
+    length.update(8, 2)
+    assert length.current == 3
+    length.update(3, 3)
+    assert length.current == 6
+    length.update(6, 6)
+    assert length.current == 8
+    length.update(8, 0)
+    assert length.current == 1
+
+
+# -- verification -------------------------------------------------------------------------------
+
+
+def test_greedy_verification_keeps_the_longest_matching_prefix() -> None:
+    logits = torch.full((4, 10), -1.0)
+    for row, best in enumerate([3, 5, 7, 1]):
+        logits[row, best] = 1.0
+    assert verify_greedy(logits, [3, 5, 7]) == [3, 5, 7, 1]  # all held: the bonus token follows
+    assert verify_greedy(logits, [3, 4, 7]) == [3, 5]  # the correction replaces the first miss
+    assert verify_greedy(logits[:1], []) == [3]
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile by Wilson and Hilferty's approximation; z = 3.09 is the normal's
+    0.999 quantile, so a correct sampler fails one seed in a thousand (the seeds are fixed, so a
+    pass stays a pass), while a sampler that ignores rejection shifts the counts by far more."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_rejection_sampling_draws_from_the_models_distribution() -> None:
+    """Over 20,000 draws, the first emitted token (a guess accepted, or the correction) and the
+    bonus token after an accepted guess follow the model's probabilities."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 8) * 1.5
+    p = SamplingParams(temperature=0.8, seed=1)
+    generator = torch.Generator().manual_seed(1)
+    guess = int(logits[0].topk(2).indices[1])  # the runner-up: often rejected, often accepted
+    draws = 20_000
+    first: Counter[int] = Counter()
+    second: Counter[int] = Counter()
+    for _ in range(draws):
+        out = verify_sampled(logits, [guess], p, generator)
+        first[out[0]] += 1
+        if len(out) == 2:
+            second[out[1]] += 1
+    for counts, row in ((first, 0), (second, 1)):
+        expected = (logits[row] / 0.8).softmax(-1) * sum(counts.values())
+        stat = sum((counts[v] - float(e)) ** 2 / float(e) for v, e in enumerate(expected))
+        assert stat < chi_square_critical(7), (row, stat)
+    assert 0 < sum(second.values()) < draws  # both outcomes happened
+
+
+class FrequentGuesses:
+    """Guesses, for output position j, the token plain sampling drew most often there."""
+
+    def __init__(self, table: dict[int, int]) -> None:
+        self.table = table
+
+    def propose(self, seqs: SequenceOf[Sequence], num_tokens: SequenceOf[int]) -> list[list[int]]:
+        guesses = []
+        for seq, k in zip(seqs, num_tokens, strict=True):
+            start = seq.num_output_tokens
+            guesses.append([self.table[j] for j in range(start, start + k) if j in self.table])
+        return guesses
+
+    def forget(self, seq: Sequence) -> None:
+        pass
+
+
+def test_speculative_sampling_matches_plain_sampling_on_a_tiny_model(
+    default_model_path: Path, tmp_path: Path
+) -> None:
+    """Two samples of 240 seeded requests each (other seeds on each side), with and without
+    guesses: the tokens at output positions 1-3, where accepted guesses, corrections and bonus
+    tokens stand, come from one distribution (two-sample chi-square over the (position, token)
+    pairs seen at least 10 times, the rest pooled into one)."""
+    tiny = make_tiny_model("llama", tmp_path / "tiny-sampling", default_model_path, seed=3)
+    n = 240
+    engine = Engine(tiny, kv_pool="16MiB", device="cpu", dtype="float32", max_num_seqs=n,
+                    speculate_max_batch=n)  # fmt: skip
+    prompt = [11, 12, 13, 14, 15, 16]
+
+    def draw(mode: str, seeds: range) -> list[list[int]]:
+        one = dict(max_tokens=4, temperature=1.0, top_k=4, ignore_eos=True, speculate=mode)
+        many = [SamplingParams(seed=s, **one) for s in seeds]  # type: ignore[arg-type]
+        return [c.token_ids for c in engine.generate([prompt] * n, many)]
+
+    plain = draw("off", range(n))
+    table = {j: Counter(t[j] for t in plain).most_common(1)[0][0] for j in range(1, 4)}
+    engine._drafters["ngram"] = FrequentGuesses(table)
+    guessed = draw("ngram", range(n, 2 * n))
+    stats = engine.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens, "guesses must hold and miss"
+    counts = [Counter((j, t[j]) for t in sample for j in range(1, 4)) for sample in (plain, guessed)]
+    keys = set(counts[0]) | set(counts[1])
+    common = [k for k in keys if counts[0][k] + counts[1][k] >= 10]
+    pairs = [(counts[0][k], counts[1][k]) for k in common]
+    pairs.append(tuple(sum(c[k] for k in keys if k not in common) for c in counts))  # type: ignore[arg-type]
+    stat = sum((a - b) ** 2 / (a + b) for a, b in pairs if a + b)
+    assert len(common) >= 4, "too few tokens seen often to compare"
+    assert stat < chi_square_critical(len(pairs) - 1), (stat, len(pairs))
