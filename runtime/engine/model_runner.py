@@ -26,6 +26,9 @@ from runtime.layers.attention import METADATA_KWARG, AttentionMetadata, DecodeBa
 from runtime.layers.compiled_step import CompiledDecodeStep
 from runtime.layers.llama_forward import LlamaFamilyForward, supports
 
+# Chunks longer than this run through ``prefill_forward`` where one is given.
+PREFILL_FORWARD_ROWS = 32
+
 
 @dataclass(slots=True)
 class StepOutput:
@@ -61,6 +64,9 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = device
 
+        # Another forward of the same model for long chunks (prefill): a draft engine in int4
+        # reads a long prompt with its target's bfloat16 weights (runtime/speculation/draft_model.py).
+        self.prefill_forward: LlamaFamilyForward | None = None
         self._block_offsets = torch.arange(self.block_size, device=device)
         self.compiled_step: CompiledDecodeStep | None = None
         if compile_decode and self.lean_forward is not None:
@@ -155,6 +161,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits (len(keep), V) at packed positions ``keep``, in the model's dtype; ids, positions: (T,)."""
         self.kv_cache.begin_step(meta.slot_mapping)
+        if self.prefill_forward is not None and input_ids.shape[0] > PREFILL_FORWARD_ROWS:
+            return self.prefill_forward(input_ids, position_ids, meta, keep)
         if self.lean_forward is not None:
             return self.lean_forward(input_ids, position_ids, meta, keep)
         out = self.model(

@@ -9,6 +9,11 @@ Each proposal is a greedy generation of ``k`` tokens from the sequence's tokens 
 draft engine caches prefixes in blocks of ``DRAFT_BLOCK_SIZE`` tokens, and what the model
 accepted is what the draft generated, so a proposal recomputes only the last few tokens of the
 context before decoding its guesses.
+
+The int4 kernels are made for a few rows; a long prompt through them costs several times the
+target's own prefill. So a draft that is the target model in another format reads long chunks
+(a new request's prompt) with the target's forward when both compute in the same dtype: the
+draft's KV for the prompt is then the precise model's, which only makes its guesses closer.
 """
 
 from collections.abc import Sequence as SequenceOf
@@ -53,6 +58,16 @@ class DraftModelDrafter:
                 f"the draft model {self.engine.model_path} has another vocabulary ({len(theirs)} tokens "
                 f"against the model's {len(ours)}); a draft must share the model's tokenizer"
             )
+
+        same_model = config.draft_model is None
+        runner, target_runner = self.engine.runner, target.runner
+        if (
+            same_model
+            and target.dtype == self.engine.dtype
+            and runner.lean_forward is not None
+            and target_runner.lean_forward is not None
+        ):
+            runner.prefill_forward = target_runner.lean_forward
 
     def propose(self, seqs: SequenceOf[Sequence], num_tokens: SequenceOf[int]) -> list[list[int]]:
         params = [SamplingParams(max_tokens=k, ignore_eos=True) for k in num_tokens]
