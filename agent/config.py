@@ -16,11 +16,11 @@ KV_DTYPES = ("auto", "int8", "fp8", "int4")
 WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")  # runtime.layers.weights.WEIGHT_FORMATS
 DEFAULT_KV_DISK = "2GiB"  # runtime.engine.config.DEFAULT_KV_DISK, for the same reason
 BACKENDS = ("local", "openai")
-# Speculative decoding (runtime/speculation/): runtime.engine.sampling.SPECULATE_MODES and
+# Speculative decoding (runtime/speculation/): runtime.engine.config.ENGINE_SPECULATE_MODES and
 # MAX_NUM_DRAFT_TOKENS, runtime.engine.config.DEFAULT_SPECULATE, runtime.speculation.drafter's
 # DEFAULT_NUM_DRAFT_TOKENS and EngineConfig.draft_weights' default, spelled out like the others.
-SPECULATE_MODES = ("off", "ngram", "draft")
-DEFAULT_SPECULATE = "off"
+SPECULATE_MODES = ("auto", "off", "ngram", "draft")
+DEFAULT_SPECULATE = "auto"
 DEFAULT_NUM_DRAFT_TOKENS = 5
 MAX_NUM_DRAFT_TOKENS = 15
 DEFAULT_DRAFT_WEIGHTS = "int4"

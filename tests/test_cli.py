@@ -161,7 +161,7 @@ def test_speculation_flags_reach_the_config(seen_runs: Seen) -> None:
     from runtime.engine import sampling
     from runtime.speculation import drafter
 
-    assert agent_config.SPECULATE_MODES == sampling.SPECULATE_MODES
+    assert agent_config.SPECULATE_MODES == engine_config.ENGINE_SPECULATE_MODES
     assert agent_config.MAX_NUM_DRAFT_TOKENS == sampling.MAX_NUM_DRAFT_TOKENS
     assert agent_config.DEFAULT_SPECULATE == engine_config.DEFAULT_SPECULATE
     assert agent_config.DEFAULT_NUM_DRAFT_TOKENS == drafter.DEFAULT_NUM_DRAFT_TOKENS
@@ -172,7 +172,7 @@ def test_speculation_flags_reach_the_config(seen_runs: Seen) -> None:
     assert cli.main(["run", "hi", "--draft-model", "my-draft"]) == 0  # implies --speculate draft
     assert cli.main(["run", "hi", "--speculate", "draft", "--draft-weights", "int8"]) == 0
     assert [(c.speculate, c.num_draft_tokens, c.draft_model, c.draft_weights) for c, _run in seen_runs] == [
-        ("off", 5, None, "int4"),
+        ("auto", 5, None, "int4"),
         ("ngram", 3, None, "int4"),
         ("draft", 5, "my-draft", "int4"),
         ("draft", 5, None, "int8"),

@@ -107,7 +107,7 @@ class LocalBackend:
 
     @property
     def speculate(self) -> str:
-        return str(self.engine.config.speculate)
+        return self.engine.speculate
 
     @property
     def max_context_tokens(self) -> int:

@@ -15,7 +15,12 @@ from runtime.speculation.drafter import DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_SPECUL
 DEFAULT_CPU_POOL_BYTES = 1024**3  # 1 GiB: ~23k tokens of SmolLM2 KV in fp32
 CPU_POOL_SHARE = 0.2  # never more than this share of the memory available at start
 CUDA_POOL_SHARE = 0.5  # of the GPU memory free after the weights are loaded
-DEFAULT_SPECULATE = "off"
+# "auto": prompt lookup for the weight formats bench.spec measured it in without it ever costing
+# more than 5% (bfloat16: 1.4-3.3x on its four workloads, 1.4x still at batch 8, Intel Xeon);
+# off elsewhere (float32, where extra rows cost more, is not measured yet).
+ENGINE_SPECULATE_MODES = ("auto", *SPECULATE_MODES)
+SPECULATE_AUTO_FORMATS = ("bfloat16",)
+DEFAULT_SPECULATE = "auto"
 DEFAULT_KV_DISK = "2GiB"  # the CLI's disk tier: ~90k tokens of SmolLM2 KV in fp32, ~350k in int8
 
 
@@ -47,9 +52,9 @@ class EngineConfig:
     # compiles; anything else, and a machine where compiling fails, runs eager.
     compile: bool = False
     # Speculative decoding's default for requests that do not choose (SamplingParams.speculate):
-    # "off", "ngram" (prompt lookup) or "draft" (a second model: draft_model, or this model in
-    # draft_weights). num_draft_tokens: most guesses per step; speculate_max_batch: no guessing
-    # while more sequences run than this (runtime/speculation/).
+    # "auto" (see DEFAULT_SPECULATE), "off", "ngram" (prompt lookup) or "draft" (a second model:
+    # draft_model, or this model in draft_weights). num_draft_tokens: most guesses per step;
+    # speculate_max_batch: no guessing while more sequences run than this (runtime/speculation/).
     speculate: str = DEFAULT_SPECULATE
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     speculate_max_batch: int = DEFAULT_SPECULATE_MAX_BATCH
@@ -85,8 +90,9 @@ class EngineConfig:
         self.v_dtype = self.v_dtype or self.kv_dtype
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.speculate not in SPECULATE_MODES:
-            raise ValueError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, got {self.speculate!r}")
+        if self.speculate not in ENGINE_SPECULATE_MODES:
+            modes = ", ".join(ENGINE_SPECULATE_MODES)
+            raise ValueError(f"speculate must be one of {modes}, got {self.speculate!r}")
         if not 1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
             raise ValueError(
                 f"num_draft_tokens must be between 1 and {MAX_NUM_DRAFT_TOKENS}, got {self.num_draft_tokens}"

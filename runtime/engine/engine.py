@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.engine.config import EngineConfig
+from runtime.engine.config import SPECULATE_AUTO_FORMATS, EngineConfig
 from runtime.engine.metrics import EngineStats, RequestMetrics
 from runtime.engine.model_runner import ModelRunner, StepOutput
 from runtime.engine.sampling import SamplingParams, sample
@@ -171,7 +171,11 @@ class Engine:
         self._spec_num_drafts = 0
         self._spec_num_draft_tokens = 0
         self._spec_num_accepted_tokens = 0
-        if self.config.speculate == "draft":
+        # The default drafter of requests that do not choose one ("auto" resolved).
+        self.speculate = self.config.speculate
+        if self.speculate == "auto":
+            self.speculate = "ngram" if self.weight_format in SPECULATE_AUTO_FORMATS else "off"
+        if self.speculate == "draft":
             self._drafter("draft")
 
     def _open_disk_cache(self, layout: KVLayout) -> DiskPrefixCache | None:
@@ -244,7 +248,7 @@ class Engine:
         # The last generated token never needs KV, hence the +1 on the pool's capacity.
         seq_limit = min(len(token_ids) + params.max_tokens, self.max_model_len, self.pool_capacity_tokens + 1)
         seq.max_len = seq_limit
-        seq.speculate = params.speculate or self.config.speculate
+        seq.speculate = params.speculate or self.speculate
         if seq.speculate != "off":
             self._drafter(seq.speculate)  # a draft model that cannot load fails the request here
             seq.draft_length = DraftLength(params.num_draft_tokens or self.config.num_draft_tokens)
@@ -559,7 +563,7 @@ class Engine:
                 kv_staging_bytes=self.kv_cache.staging_bytes,
                 weight_format=self.weight_format,
                 compiled=self.compiled,
-                speculate=self.config.speculate,
+                speculate=self.speculate,
                 spec_num_drafts=self._spec_num_drafts,
                 spec_num_draft_tokens=self._spec_num_draft_tokens,
                 spec_num_accepted_tokens=self._spec_num_accepted_tokens,
