@@ -588,6 +588,7 @@ def print_table(
 
 def main() -> None:
     args = parse_args()
+    label = machine()  # now: the tree whose modules this process imports, not the one at the end
     model_dir = common.resolve_model_dir(args.model)
     engine = build_engine(model_dir, args.format, args)
     prompts = {
@@ -635,7 +636,7 @@ def main() -> None:
         "repeats": args.repeats,
         "draft_weights": args.draft_weights,
         "num_draft_tokens": args.num_draft_tokens,
-        **machine(),
+        **label,
         **common.environment(args, model_dir),
     }
     common.emit("spec", result)
