@@ -149,6 +149,9 @@ class WrongGuesses:
     def forget(self, seq: Sequence) -> None:
         pass
 
+    def reset_prefix_cache(self) -> None:
+        pass
+
 
 def cache_contents(engine: Engine) -> dict[bytes, tuple[int, tuple[int, ...] | None]]:
     bm = engine.block_manager
@@ -266,6 +269,9 @@ class FrequentGuesses:
         return guesses
 
     def forget(self, seq: Sequence) -> None:
+        pass
+
+    def reset_prefix_cache(self) -> None:
         pass
 
 

@@ -594,6 +594,8 @@ class Engine:
         """Forget every cached prefix (only unreferenced blocks; running requests keep theirs)."""
         with self._step_lock, self._state_lock:
             self.block_manager.reset_prefix_cache()
+            for drafter in self._drafters.values():
+                drafter.reset_prefix_cache()
 
 
 __all__ = ["Completion", "CompletionDelta", "Engine", "SequenceStatus"]

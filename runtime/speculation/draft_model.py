@@ -80,5 +80,8 @@ class DraftModelDrafter:
     def forget(self, seq: Sequence) -> None:
         pass  # the draft engine's prefix cache evicts what is no longer asked for
 
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
     def close(self) -> None:
         self.engine.close()

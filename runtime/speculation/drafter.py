@@ -25,3 +25,7 @@ class Drafter(Protocol):
     def forget(self, seq: Sequence) -> None:
         """``seq`` finished: drop whatever the drafter keeps for it."""
         ...
+
+    def reset_prefix_cache(self) -> None:
+        """The engine forgets its cached prefixes: forget any the drafter keeps too."""
+        ...

@@ -35,6 +35,9 @@ class NgramDrafter:
     def forget(self, seq: Sequence) -> None:
         self._indexes.pop(seq, None)
 
+    def reset_prefix_cache(self) -> None:
+        pass  # its indexes belong to live sequences, not to cached prefixes
+
     def _propose(self, seq: Sequence, k: int) -> list[int]:
         tokens = seq.token_ids
         index = self._indexes.get(seq)
