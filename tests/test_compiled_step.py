@@ -34,6 +34,7 @@ def compiled(tiny_llama_path: Path, notices: list[str]) -> Engine:
         device="cpu",
         dtype="float32",
         max_num_seqs=8,
+        speculate_max_batch=1,  # one guessing sequence: at most 6 rows, within the bucket of 8
         compile=True,
         on_notice=notices.append,
     )
@@ -110,6 +111,51 @@ def test_a_growing_and_shrinking_batch_reuses_its_graphs(compiled: Engine) -> No
     lengths = [40, 36, 30, 24, 20, 16, 12, 8]
     for i, prompt in enumerate(prompts(8)):
         assert first[str(i)] == hf_greedy(compiled, prompt, lengths[i], ignore_eos=True)
+
+
+class ReferenceGuesses:
+    """Guesses plain decoding's own continuation, with every third guess wrong."""
+
+    def __init__(self, prompt: list[int], reference: list[int]) -> None:
+        self.prompt, self.reference = prompt, reference
+
+    def propose(self, seqs, num_tokens):  # type: ignore[no-untyped-def]
+        guesses = []
+        for seq, k in zip(seqs, num_tokens, strict=True):
+            start = len(seq.token_ids) - len(self.prompt)
+            right = self.reference[start : start + k]
+            guesses.append([t if (start + i) % 3 else (t + 1) % 40000 for i, t in enumerate(right)])
+        return guesses
+
+    def forget(self, seq) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+
+def test_verification_steps_run_through_the_compiled_graphs(compiled: Engine) -> None:
+    """A speculating sequence's verification rows go through the bucket graphs already compiled
+    (rows, not sequences, fill a bucket), and the tokens stay generate()'s."""
+    prompt = prompts(1)[0]
+    reference = hf_greedy(compiled, prompt, 40, ignore_eos=True)
+    saved = compiled._drafters["ngram"]
+    compiled._drafters["ngram"] = ReferenceGuesses(prompt, reference)
+    step = step_of(compiled)
+    before = step.report()
+    try:
+        compiled.reset_prefix_cache()
+        done = compiled.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True, speculate="ngram"))[0]
+    finally:
+        compiled._drafters["ngram"] = saved
+    assert done.token_ids == reference
+    metrics = done.metrics
+    assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
+    after = step.report()
+    assert after.enabled and set(after.compiled_buckets) <= {1, 2, 4, 8}
+    # Every step after the prefill ran compiled, verification steps included.
+    steps = 40 - 1 - metrics.num_accepted_tokens
+    assert after.num_compiled_steps - before.num_compiled_steps == steps
 
 
 FALLBACK_SCRIPT = """

@@ -152,7 +152,12 @@ class Engine:
             self.config.gemm,
             self.weight_format,
             compile_decode=self.compile_decode,
-            max_num_seqs=self.config.max_num_seqs,
+            # Rows, not sequences: a verification step has one per guess besides its token.
+            max_num_rows=max(
+                self.config.max_num_seqs,
+                min(self.config.speculate_max_batch, self.config.max_num_seqs)
+                * (1 + self.config.num_draft_tokens),
+            ),
             on_notice=on_notice or log.info,
         )
 

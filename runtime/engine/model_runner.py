@@ -9,9 +9,10 @@ token and one per guess, scored like a short prefill chunk. Before the forward t
 the KV cache a step begins (:meth:`KVCache.begin_step`), so a quantized cache plans the step's
 writes once for every layer.
 
-A pure-decode step (every sequence adds its one next token) runs the compiled decode graph of
-its batch bucket when the engine asked for one (``runtime/layers/compiled_step.py``); any other
-step, and every step after compiling failed, runs the forward eagerly.
+A decode step (every sequence computes its next token, and any guesses after it) runs the
+compiled decode graph of its bucket of rows when the engine asked for one
+(``runtime/layers/compiled_step.py``); any other step, and every step after compiling failed,
+runs the forward eagerly.
 """
 
 from collections.abc import Callable
@@ -49,7 +50,7 @@ class ModelRunner:
         gemm: str = "auto",
         weights: str | None = None,
         compile_decode: bool = False,
-        max_num_seqs: int = 1,
+        max_num_rows: int = 1,
         on_notice: Callable[[str], None] | None = None,
     ) -> None:
         """``compile_decode``: run pure-decode steps through compiled graphs (the engine checked
@@ -70,7 +71,7 @@ class ModelRunner:
         self._block_offsets = torch.arange(self.block_size, device=device)
         self.compiled_step: CompiledDecodeStep | None = None
         if compile_decode and self.lean_forward is not None:
-            self.compiled_step = CompiledDecodeStep(self.lean_forward, kv_cache, max_num_seqs, on_notice)
+            self.compiled_step = CompiledDecodeStep(self.lean_forward, kv_cache, max_num_rows, on_notice)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -135,25 +136,33 @@ class ModelRunner:
         return StepOutput(sampling, logits.float() if sampling else None, num_rows)
 
     def _execute_compiled(self, step: CompiledDecodeStep, batch: ScheduledBatch) -> StepOutput | None:
-        """A pure-decode batch through its bucket's graph; None for any other step (or no graph)."""
-        if step.bucket_for(len(batch.seqs)) is None:
-            return None
+        """A decode batch through its bucket's graph; None for any other step (or no graph).
+
+        A sequence carrying guesses becomes one row per token it computes (its last verified
+        token, then each guess), each row attending to the context up to its own position: the
+        graph writes every row's K/V before any row reads, so a guess sees the ones before it,
+        exactly as the eager verification's causal span does.
+        """
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         contexts: list[torch.Tensor] = []
+        num_rows: list[int] = []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
-            if num_new != 1 or start == 0 or start + 1 != len(seq):
+            if num_new != 1 + len(seq.draft_token_ids) or start == 0 or start + 1 != len(seq):
                 return None
-            input_ids.append(seq.token_ids[start])
-            positions.append(start)
-            slots.extend(self._slots(seq, start, start + 1))
-            contexts.append(self._context_slots(seq, start + 1))
+            input_ids.extend(seq.scheduled_tokens(start, start + num_new))
+            positions.extend(range(start, start + num_new))
+            slots.extend(self._slots(seq, start, start + num_new))
+            contexts.extend(self._context_slots(seq, end) for end in range(start + 1, start + num_new + 1))
+            num_rows.append(num_new)
+        if step.bucket_for(len(input_ids)) is None:
+            return None
         logits = step(step.pad(input_ids, positions, slots, contexts))  # (bucket, V) float32
         if logits is None:
             return None
-        return StepOutput(list(batch.seqs), logits[: len(batch.seqs)], [1] * len(batch.seqs))
+        return StepOutput(list(batch.seqs), logits[: len(input_ids)], num_rows)
 
     @torch.inference_mode()
     def forward(

@@ -335,7 +335,7 @@ class CompiledDecodeStep:
             fn = torch.compile(
                 _fresh_function(_run_graph), backend=self._backend, dynamic=False, fullgraph=True
             )
-            self._notice(f"compiling the decode step for batch {bucket} (once; cached on disk after)")
+            self._notice(f"compiling the decode step for {bucket} rows (once; cached on disk after)")
         torch._dynamo.mark_dynamic(inputs.context_slots, 1, min=2, max=MAX_CONTEXT)
         torch._dynamo.mark_dynamic(inputs.context_mask, 1, min=2, max=MAX_CONTEXT)
         args = (
