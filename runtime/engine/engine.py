@@ -213,7 +213,7 @@ class Engine:
         if drafter is None:
             from runtime.speculation.draft_model import DraftModelDrafter
 
-            drafter = self._drafters[name] = DraftModelDrafter(self)
+            drafter = self._drafters[name] = DraftModelDrafter(self, Engine)
         return drafter
 
     def close(self) -> None:

@@ -16,28 +16,26 @@ target's own prefill. So a draft that is the target model in another format read
 draft's KV for the prompt is then the precise model's, which only makes its guesses closer.
 """
 
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
-from typing import TYPE_CHECKING
+from typing import Any
 
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.sequence import Sequence
 from runtime.errors import DraftModelError, EngineError
-
-if TYPE_CHECKING:
-    from runtime.engine.engine import Engine
 
 DRAFT_BLOCK_SIZE = 4  # small: a proposal recomputes up to this many context tokens
 DRAFT_KV_POOL = "256MiB"
 
 
 class DraftModelDrafter:
-    def __init__(self, target: "Engine") -> None:
-        from runtime.engine.engine import Engine
-
+    def __init__(self, target: Any, make_engine: Callable[..., Any]) -> None:
+        """``target``: the engine this drafts for; ``make_engine``: the Engine class. Both are
+        handed in (and typed loosely) so this module never imports the engine that imports it."""
         config = target.config
         path = config.draft_model if config.draft_model is not None else target.model_path
         try:
-            self.engine = Engine(
+            self.engine = make_engine(
                 path,
                 weights=config.draft_weights,
                 device=config.device,
