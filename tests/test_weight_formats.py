@@ -176,6 +176,21 @@ def test_int4_holds_the_default_models_q4_1_weights(default_model_path: Path) ->
         assert torch.allclose(packed.dequantize(), restored.view(n, k), rtol=2**-8, atol=1e-6)
 
 
+def assert_equal_up_to_a_tie(engine: Engine, prompt: list[int], expected: list[int], got: list[int]) -> None:
+    """``got`` equals ``expected``, or first differs where the two are ``engine``'s top two tokens
+    with logits within a bfloat16 step (0.0625 at these magnitudes): 16-token prefill chunks give
+    the int8 kernel other row counts, which round differently, and on the Intel Xeon with AMX one
+    prompt met an exact bfloat16 tie (6.4375 and 6.4375) at token 5. After a tie the contexts differ,
+    so the rest is not compared."""
+    assert len(got) == len(expected)
+    first = next((i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b), None)
+    if first is None:
+        return
+    values, ids = prompt_logits(engine, prompt + expected[:first])[-1].topk(2)
+    assert {expected[first], got[first]} == set(ids.tolist()), (first, expected[first], got[first])
+    assert float(values[0] - values[1]) <= 0.0625, (first, values.tolist())
+
+
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_weights_keep_batching_chunking_prefix_cache_and_kv_quant(
     weights: str, tiny_llama_path: Path
@@ -185,7 +200,8 @@ def test_quantized_weights_keep_batching_chunking_prefix_cache_and_kv_quant(
 
     The int8 kernel rounds a one-row product differently from a three-row one, so a long greedy
     run of the random tiny model may drift between alone and batched after a few tokens (measured:
-    one prompt, at token 8); the first tokens agree, and runs with the same batch shapes agree exactly.
+    one prompt, at token 8); the first tokens agree; 16-token chunks agree with one prefill up to
+    an exact tie.
     """
     prompts = [[5, 17, 300, 4000, 12], list(range(100, 160)), list(range(2000, 2037))]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -196,7 +212,10 @@ def test_quantized_weights_keep_batching_chunking_prefix_cache_and_kv_quant(
     cached = engine.generate(prompts[1], params)[0]
     assert cached.metrics.num_cached_tokens > 0 and cached.token_ids == alone[1]
     chunked = _engine(tiny_llama_path, weights, max_num_batched_tokens=16)
-    assert [c.token_ids for c in chunked.generate(prompts, params)] == batched
+    for prompt, by_chunks, whole in zip(
+        prompts, [c.token_ids for c in chunked.generate(prompts, params)], batched, strict=True
+    ):
+        assert_equal_up_to_a_tie(engine, prompt, whole, by_chunks)
     # 7 blocks hold the longest request (84 tokens) but not all three (12 blocks): someone is
     # preempted and recomputed.
     options = {"device": "cpu", "weights": weights, "kv_dtype": "int8"}
