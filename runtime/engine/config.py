@@ -16,10 +16,10 @@ DEFAULT_CPU_POOL_BYTES = 1024**3  # 1 GiB: ~23k tokens of SmolLM2 KV in fp32
 CPU_POOL_SHARE = 0.2  # never more than this share of the memory available at start
 CUDA_POOL_SHARE = 0.5  # of the GPU memory free after the weights are loaded
 # "auto": prompt lookup for the weight formats bench.spec measured it in without it ever costing
-# more than 5% (bfloat16: 1.4-3.3x on its four workloads, 1.4x still at batch 8, Intel Xeon);
-# off elsewhere (float32, where extra rows cost more, has one reading so far: 1.30-2.27x).
+# more than 5% (Intel Xeon, 1 thread: bfloat16 1.4-3.3x on its four workloads and 1.45x still
+# at batch 8; float32 1.29-2.27x, 1.48-2.0x at batches 1-8); off for int8/int4 (not measured).
 ENGINE_SPECULATE_MODES = ("auto", *SPECULATE_MODES)
-SPECULATE_AUTO_FORMATS = ("bfloat16",)
+SPECULATE_AUTO_FORMATS = ("float32", "bfloat16")
 DEFAULT_SPECULATE = "auto"
 DEFAULT_KV_DISK = "2GiB"  # the CLI's disk tier: ~90k tokens of SmolLM2 KV in fp32, ~350k in int8
 
