@@ -76,9 +76,11 @@ class Sequence:
 
     def scheduled_tokens(self, start: int, end: int) -> list[int]:
         """Tokens at positions start..end-1 of token_ids followed by the guesses."""
-        if end <= len(self.token_ids):
+        known = len(self.token_ids)
+        if end <= known:
             return self.token_ids[start:end]
-        return (self.token_ids + self.draft_token_ids)[start:end]
+        # Slices only: copying the whole history each step would cost O(context) per guess.
+        return self.token_ids[start:] + self.draft_token_ids[max(0, start - known) : end - known]
 
     @property
     def is_prefill(self) -> bool:
