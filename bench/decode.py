@@ -43,7 +43,7 @@ from bench import common
 
 Call = Callable[[list[int], int], list[int]]  # (prompt ids, new tokens) -> generated ids
 FORMATS = ("float32", "bfloat16", "int8", "int4")
-COMPILED_FORMATS = ("float32", "bfloat16")  # --compiled's default: a second row each, compiled
+COMPILED_FORMATS = FORMATS  # --compiled's default: a second row each, compiled
 COMPILED_SUFFIX = " compiled"  # a row key: the format, and this for its compiled row
 MAX_KLD, MIN_TOP1 = 1e-3, 0.98  # the quality a best_format must keep against float32 weights
 HELD_TEXT = Path(__file__).resolve().parent / "data" / "kvquant_text.txt"

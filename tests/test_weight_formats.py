@@ -39,7 +39,7 @@ def test_each_product_stays_near_float32(
     assert reference is not None and packed is not None
     generator = torch.Generator().manual_seed(0)
     pairs = list(zip(reference.matrices(), packed.matrices(), strict=True))
-    for dense, pack in pairs[:-1]:  # the layers' matrices; the head is int8 under both formats
+    for dense, pack in pairs[:-1]:  # the layers' matrices; the head follows HEAD_FORMAT
         assert isinstance(dense, torch.Tensor)
         assert isinstance(pack, Int4Weight if weights == "int4" else Int8Weight)
         x = torch.randn(8, dense.shape[1], generator=generator)
@@ -47,7 +47,11 @@ def test_each_product_stays_near_float32(
         got = pack.matmul(x.bfloat16()).float()
         assert (got - want).norm() / want.norm() < bound, pack.shape
     head = pairs[-1][1]
-    assert isinstance(head, Int8Weight)
+    if weights == "int4":  # bfloat16: int8 of the default model's head alone cost a KLD of 1e-3
+        assert isinstance(head, torch.Tensor) and head.dtype == torch.bfloat16
+        assert torch.equal(head, pairs[-1][0].bfloat16())
+    else:
+        assert isinstance(head, Int8Weight)
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
@@ -68,7 +72,9 @@ def test_quantized_engine_computes_what_its_weights_say(weights: str, tiny_qwen2
         for pack, layer in zip(packed.layers, dense.layers, strict=True):
             for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
                 getattr(layer, name).copy_(getattr(pack, name).dequantize())
-    dense.lm_head_weight = packed.lm_head_weight.dequantize()  # not in place: it is the tied embedding
+    head = packed.lm_head_weight
+    # Not in place: it is the tied embedding.
+    dense.lm_head_weight = head.float() if isinstance(head, torch.Tensor) else head.dequantize()
     ids = [5, 17, 300, 4000, 12, *range(100, 140)]
     want = prompt_logits(simulated, ids)
     got = prompt_logits(engine, ids)
@@ -78,15 +84,21 @@ def test_quantized_engine_computes_what_its_weights_say(weights: str, tiny_qwen2
 
 
 def test_weight_bytes_shrink_with_the_format(tiny_llama_path: Path, tiny_float32: Engine) -> None:
-    sizes = {}
+    sizes, heads = {}, {}
     for weights in ("bfloat16", "int8", "int4"):
         forward = _engine(tiny_llama_path, weights).runner.lean_forward
         assert forward is not None
         sizes[weights] = forward.weight_bytes_per_token()
+        head = forward.lm_head_weight
+        heads[weights] = head.nbytes
     assert tiny_float32.runner.lean_forward is not None
     sizes["float32"] = tiny_float32.runner.lean_forward.weight_bytes_per_token()
     assert sizes["float32"] == 2 * sizes["bfloat16"]
-    assert sizes["bfloat16"] > sizes["int8"] > sizes["int4"]
+    assert sizes["bfloat16"] > sizes["int8"]
+    # The layers shrink 4x/8x-ish; int4 keeps its head in bfloat16 (the tiny model's head is most of it).
+    layers = {weights: sizes[weights] - heads[weights] for weights in heads}
+    assert layers["bfloat16"] > layers["int8"] > layers["int4"]
+    assert heads["int4"] == heads["bfloat16"]
 
 
 @pytest.mark.parametrize(
@@ -132,9 +144,12 @@ def float32_logprobs(default_model_path: Path, held_ids: list[int]) -> torch.Ten
     return torch.log_softmax(prompt_logits(engine, held_ids), dim=-1)
 
 
-# Measured on the AMD EPYC (kld_mean, top1): int8 4.3e-3 / 0.965, int4 1.9e-3 / 0.969; bfloat16
-# weights 8.7e-4 / 0.965. int8 is per output channel, coarser than the stored Q4_1 groups.
-@pytest.mark.parametrize(("weights", "max_kld", "min_top1"), [("int8", 8e-3, 0.94), ("int4", 4e-3, 0.95)])
+# Measured (kld_mean, top1): int8 4.3e-3 / 0.965 (AMD EPYC); int4 with its bfloat16 head 6.3e-4 /
+# 0.9805 (Intel Xeon; 1.5e-3 / 0.98 with an int8 head); bfloat16 weights 8.7e-4 / 0.965. int8 is
+# per output channel, coarser than the stored Q4_1 groups. int4 is held to bench.decode's KLD
+# bound (1e-3); its top-1 bound there is 0.98, here one token looser (256 tokens), since another
+# CPU's kernels may round one near-tie the other way.
+@pytest.mark.parametrize(("weights", "max_kld", "min_top1"), [("int8", 8e-3, 0.94), ("int4", 1e-3, 0.976)])
 def test_default_model_quality_over_a_held_text(
     weights: str,
     max_kld: float,

@@ -91,7 +91,7 @@ class PackedLinear(torch.nn.Module):
                 # One product, never chunks: inductor stored a chunked product's input row-major
                 # (K, rows), which BLAS streams at about half the rate of the eager column-major view.
                 chunk = max(chunk, x.shape[0])
-            return matmul(x, self.weight, self.bias, chunk)
+            return matmul(x.to(self.weight.dtype), self.weight, self.bias, chunk)
         x = x.to(ACTIVATION_DTYPE)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)

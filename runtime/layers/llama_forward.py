@@ -15,8 +15,9 @@ this machine (``runtime/layers/gemm.py``), which changes only rounding; the test
 ``generate()`` either way.
 
 With a quantized weight format (``runtime/layers/weights.py``) the fused matrices and the output
-head are quantized once, from the weights as loaded (float32), and the model's own copies are
-released: only this forward can run such a model. The products run in bfloat16; the residual
+head (in its own format, ``HEAD_FORMAT``: int8, or bfloat16 under int4) are packed once, from the
+weights as loaded (float32), and the model's own copies are released: only this forward can run
+such a model. The products run in bfloat16; the residual
 stream and the norms stay float32.
 """
 
@@ -30,6 +31,7 @@ from runtime.layers.attention import METADATA_KWARG, AttentionMetadata, paged_at
 from runtime.layers.gemm import LINEAR, GemmPlan, Shape, matmul, plan_for
 from runtime.layers.weights import (
     ACTIVATION_DTYPE,
+    FLOAT_FORMATS,
     HEAD_FORMAT,
     QUANTIZED_FORMATS,
     QuantizedWeight,
@@ -111,10 +113,14 @@ def _pack(
     """
     quantized = weights in QUANTIZED_FORMATS
     head: Matrix = model.lm_head.weight
-    if quantized:
-        head = quantize(model.lm_head.weight, HEAD_FORMAT[weights])
-        if model.lm_head.weight is not model.model.embed_tokens.weight:  # a tied head keeps the embedding
+    head_format = HEAD_FORMAT.get(weights, weights)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    if head_format in QUANTIZED_FORMATS:
+        head = quantize(model.lm_head.weight, head_format)
+        if not tied:  # a tied head keeps the embedding
             _release([model.lm_head])
+    elif quantized:
+        head = model.lm_head.weight.data = model.lm_head.weight.data.to(getattr(torch, head_format))
     matrices: list[tuple[Matrix, Matrix, Matrix, Matrix]] = []
     biases: list[tuple[torch.Tensor | None, ...]] = []
     for layer in model.model.layers:
@@ -141,7 +147,8 @@ def _pack(
         biases.append((qkv_bias, gate_up_bias))
     if quantized:
         embedding = model.model.embed_tokens.weight
-        embedding.data = embedding.data.to(ACTIVATION_DTYPE)  # looked up row by row: precision, not speed
+        if not (tied and head_format in FLOAT_FORMATS):  # a float head shares the tied embedding
+            embedding.data = embedding.data.to(ACTIVATION_DTYPE)  # looked up row by row: precision, not speed
         # Biases join the kernels' bfloat16 outputs, which must stay bfloat16 up to attention.
         for layer in model.model.layers:
             for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
@@ -265,6 +272,7 @@ def _linear(
 ) -> torch.Tensor:
     """``F.linear`` in the form the plan chose for this weight's shape, or a packed weight's kernel."""
     if isinstance(weight, torch.Tensor):
+        x = x.to(weight.dtype)  # a float head under a quantized format; a no-op otherwise
         return matmul(x, weight, bias, forms.get((weight.shape[0], weight.shape[1]), LINEAR))
     y = weight.matmul(x.to(ACTIVATION_DTYPE))  # a no-op where x is already bfloat16
     return y if bias is None else y + bias
