@@ -211,6 +211,8 @@ def format_rows(
             {
                 "format": fmt,
                 "compiled": bool(engine.compiled),  # False where compiling fell back to eager
+                # The engine's default: prompt lookup with float weights, off with int8/int4.
+                "speculate": engine.speculate,
                 "decode_tok_s": common.rounded(rate),
                 "ttft_ms": round(peers[key].ttft_ms(), 1),
                 "kld_mean": float((ref.exp() * (ref - logprobs)).sum(-1).mean()),
