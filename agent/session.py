@@ -307,6 +307,8 @@ class AgentSession:
                 "backend": self.backend.kind,
                 "k_dtype": k_dtype,
                 "v_dtype": v_dtype,
+                "weights": self.backend.weight_format,
+                "compiled": None if (compiled := self.backend.compiled) is None else int(compiled),
                 "prompt_tokens": metrics.num_prompt_tokens,
                 "cached_tokens": metrics.num_cached_tokens,
                 "disk_cached_tokens": metrics.num_disk_cached_tokens,

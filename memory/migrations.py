@@ -158,3 +158,12 @@ def m005_request_speculation(db: sqlite_utils.Database) -> None:
     requests recorded before speculation existed: they guessed nothing)."""
     for column in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         db["requests"].add_column(column, int, not_null_default=0)  # type: ignore[union-attr]
+
+
+@migration
+def m006_request_weights(db: sqlite_utils.Database) -> None:
+    """How each request's model ran: its weight format ("float32", "bfloat16", "int8", "int4")
+    and whether its decode steps ran through compiled graphs (1/0). NULL where unknown: requests
+    recorded before these columns existed, and remote backends, which do not say."""
+    db["requests"].add_column("weights", str)  # type: ignore[union-attr]
+    db["requests"].add_column("compiled", int)  # type: ignore[union-attr]

@@ -22,14 +22,19 @@ class ScriptedBackend:
         replies: list[str],
         gate: threading.Event | None = None,
         drafts: tuple[int, int, int] | None = None,
+        weights: str = "float32",
+        compiled: bool = False,
     ) -> None:
         """``drafts``: every request's (num_drafts, num_draft_tokens, num_accepted_tokens), as an
-        engine speculating with ngram counts them; None: an engine that does not speculate."""
+        engine speculating with ngram counts them; None: an engine that does not speculate.
+        ``weights`` / ``compiled``: the weight format and compiled step the backend reports."""
         self._tokenizer = tokenizer
         self.replies = list(replies)
         self.prompts: list[ChatPrompt] = []
         self.gate = gate
         self.drafts = drafts
+        self.weights = weights
+        self.compiled_step = compiled
 
     @property
     def tokenizer(self) -> Any:
@@ -45,11 +50,11 @@ class ScriptedBackend:
 
     @property
     def weight_format(self) -> str:
-        return "float32"
+        return self.weights
 
     @property
     def compiled(self) -> bool:
-        return False
+        return self.compiled_step
 
     @property
     def speculate(self) -> str:

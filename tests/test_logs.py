@@ -3,6 +3,7 @@
 import csv
 import io
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +145,7 @@ def test_show_says_what_speculation_accepted_where_it_guessed(
     code, out = run(capsys, "--db", str(path), "show", session.session_id)
     assert code == 0
     header, *lines = out.splitlines()[2:]
-    assert header.split()[-4:] == ["decode", "accepted", "kv", "cost"]
+    assert header.split()[-5:] == ["decode", "accepted", "weights", "kv", "cost"]
     assert [line for line in lines if "7/12 (58%) · 3.3/step" in line] == lines
     _, exported = run(capsys, "--db", str(path), "export", "--format", "jsonl")
     assert json.loads(exported.splitlines()[0])["num_accepted_tokens"] == 7
@@ -154,10 +155,38 @@ def test_show_says_what_speculation_accepted_where_it_guessed(
     assert code == 0 and "accepted" not in out
 
 
+def test_show_says_how_each_request_ran_its_weights(
+    tmp_path: Path, tokenizer: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each request stores its weight format and whether decode ran compiled (m006); ``logs show``
+    prints them per request, and a request stored before m006 (NULL) shows "-"."""
+    path = tmp_path / "weights.db"
+    backend = ScriptedBackend(tokenizer, ["One two three.", "Four."], weights="int4", compiled=True)
+    session = AgentSession.open(backend, Store(path), AgentConfig(db=str(path), tools=False))  # type: ignore[arg-type]
+    session.run_turn("first")
+    backend.compiled_step = False  # a step that fell back to eager for the second turn
+    session.run_turn("second")
+    store = Store(path)
+    rows = store.requests(session.session_id)
+    assert [(r["weights"], r["compiled"]) for r in rows] == [("int4", 1), ("int4", 0)]
+    store.db.execute("update requests set weights = null, compiled = null where id = ?", [rows[0]["id"]])
+    store.db.conn.commit()
+    store.close()
+
+    code, out = run(capsys, "--db", str(path), "show", session.session_id)
+    assert code == 0
+    header, *lines = out.splitlines()[2:]
+    assert header.split()[-4:] == ["decode", "weights", "kv", "cost"]
+    column = re.split(r"\s{2,}", header).index("weights")  # cells are two spaces apart
+    assert [re.split(r"\s{2,}", line)[column] for line in lines] == ["-", "int4 eager"]
+    _, exported = run(capsys, "--db", str(path), "export", "--format", "jsonl")
+    assert [json.loads(line)["weights"] for line in exported.splitlines()] == [None, "int4"]
+
+
 def test_database_from_a_newer_liubai_is_one_line(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = Store(db)
-    store.db.table("_migrations").insert({"name": "m006_from_the_future", "applied_at": "2099-01-01"})
+    store.db.table("_migrations").insert({"name": "m999_from_the_future", "applied_at": "2099-01-01"})
     store.close()
     assert cli.main(["logs", "--db", str(db)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("liubai: error: ") and "m006_from_the_future" in err[0]
+    assert len(err) == 1 and err[0].startswith("liubai: error: ") and "m999_from_the_future" in err[0]

@@ -34,7 +34,7 @@ SCHEMA = {
         "prompt_tokens", "cached_tokens", "prefilled_tokens", "generated_tokens", "queue_ms", "prefill_ms",
         "ttft_ms", "decode_ms", "prefill_tok_s", "decode_tok_s", "kv_tokens", "kv_bytes", "budget_tokens",
         "compute_s", "cost_usd", "finish_reason", "interrupted", "token_source", "disk_cached_tokens",
-        "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+        "num_drafts", "num_draft_tokens", "num_accepted_tokens", "weights", "compiled",
     ],
     "_migrations": ["name", "applied_at"],
 }  # fmt: skip
@@ -283,5 +283,6 @@ def test_database_from_before_speculation_migrates_and_reads_zero_guesses(tmp_pa
     assert (before["num_drafts"], before["num_draft_tokens"], before["num_accepted_tokens"]) == (0, 0, 0)
     assert (after["num_drafts"], after["num_draft_tokens"], after["num_accepted_tokens"]) == (3, 12, 7)
     assert store.schema_version == len(MIGRATIONS)
-    assert [r["name"] for r in store.db["_migrations"].rows][-1] == "m005_request_speculation"
+    assert [r["name"] for r in store.db["_migrations"].rows][4:] == [fn.__name__ for fn in MIGRATIONS[4:]]
+    assert (before["weights"], before["compiled"]) == (None, None)  # m006: unknown, not guessed
     store.close()

@@ -441,6 +441,44 @@ def test_remote_backend_shows_what_it_knows_and_na_for_the_rest(tokenizer: Any, 
     assert "blocks n/a" in seen["pool"] and "hit last 0% (0/" in seen["pool"]
 
 
+class CompiledReplayBackend(ReplayBackend):
+    """A replay backend whose decode step runs compiled until the test says it fell back."""
+
+    compiled_step = True
+
+    @property
+    def compiled(self) -> bool | None:
+        return self.compiled_step
+
+
+def test_latency_panel_says_how_the_engine_runs(tokenizer: Any, tmp_path: Path) -> None:
+    """The latency panel's subtitle names the weight format and whether decode steps are compiled,
+    from the start; after a turn whose step fell back to eager it says eager; a remote backend,
+    which reports neither, leaves it empty."""
+    backend = CompiledReplayBackend(tokenizer, REPLIES)
+    session = open_session(backend, tmp_path, kv_budget="2000tok")
+    seen: dict[str, str] = {}
+
+    async def scenario(app: LiubaiApp, pilot: Pilot[None]) -> None:
+        seen["start"] = str(app.chat.query_one(LatencyPanel).border_subtitle)
+        backend.compiled_step = False
+        await send(app, pilot, "What are tides?")
+        seen["after"] = str(app.chat.query_one(LatencyPanel).border_subtitle)
+
+    run_app(session, scenario)
+    assert seen == {"start": "bfloat16 · compiled", "after": "bfloat16 · eager"}
+
+    remote_backend = ReplayBackend(tokenizer, REPLIES, remote=True)
+    remote = open_session(remote_backend, tmp_path, kv_budget="2000tok", db=str(tmp_path / "remote.db"))
+
+    async def remote_scenario(app: LiubaiApp, pilot: Pilot[None]) -> None:
+        await send(app, pilot, "What are tides?")
+        seen["remote"] = str(app.chat.query_one(LatencyPanel).border_subtitle)
+
+    run_app(remote, remote_scenario)
+    assert seen["remote"] == ""
+
+
 def test_ctrl_q_quits_with_0_and_ctrl_c_twice_with_130(tokenizer: Any, tmp_path: Path) -> None:
     session = open_session(ReplayBackend(tokenizer, REPLIES), tmp_path, kv_budget="2000tok")
     seen: dict[str, Any] = {}

@@ -191,6 +191,10 @@ def show_session(store: Store, session_id: str, as_json: bool, out: TextIO) -> N
         ]
         for r in requests
     ]
+    if any(r.get("weights") for r in requests):  # a local model: how it ran (NULL before m006)
+        headers.insert(headers.index("decode") + 1, "weights")
+        for row, r in zip(rows, requests, strict=True):
+            row.insert(headers.index("weights"), _weights(r))
     if any(r.get("num_drafts") for r in requests):  # a session that speculated: its acceptance
         headers.insert(headers.index("decode") + 1, "accepted")
         for row, r in zip(rows, requests, strict=True):
@@ -207,6 +211,16 @@ def show_session(store: Store, session_id: str, as_json: bool, out: TextIO) -> N
                 + (f"  focus: {c.focus}" if c.focus else "")
                 + "\n"
             )
+
+
+def _weights(row: dict[str, Any]) -> str:
+    """A request's weight format and whether its decode steps ran compiled ("int4 compiled",
+    "float32 eager"); "-" where the request did not record them."""
+    if not row.get("weights"):
+        return "-"
+    if row.get("compiled") is None:
+        return str(row["weights"])
+    return f"{row['weights']} {'compiled' if row['compiled'] else 'eager'}"
 
 
 def _acceptance(row: dict[str, Any]) -> str:

@@ -106,6 +106,8 @@ class ChatScreen(Screen[None]):
             )
         else:
             await chat.add_notice(f"new session with {self.session.backend.model_name} · /help for commands")
+        backend = self.session.backend
+        self.query_one(LatencyPanel).show_engine(backend.weight_format, backend.compiled)
         self._show_context(self._snapshot)
         self._poll_engine()
         self.set_interval(POLL_INTERVAL_S, self._poll_while_busy)
@@ -325,7 +327,9 @@ class ChatScreen(Screen[None]):
                 float(m["decode_tok_s"]),
                 float(m.get("mean_accepted_length") or 0.0),
             )
-            self.query_one(LatencyPanel).add(sample)
+            latency = self.query_one(LatencyPanel)
+            latency.add(sample)
+            latency.show_engine(e.kv.get("weights"), e.kv.get("compiled"))
         if e.kind != "summary":
             self._show_kv(int(e.kv["tokens"]), "last request")
 

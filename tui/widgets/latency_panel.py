@@ -3,7 +3,10 @@
 Each point is one turn's first request (the one that answers the user), as the engine measured
 it; a resumed session starts with the points its stored requests recorded. When the last turn's
 request verified guesses (speculative decoding), the decode row also says how many tokens a step
-accepted on average; without speculation the row is as it always was.
+accepted on average; without speculation the row is as it always was. The panel's subtitle says
+how the engine runs now: its weight format and whether decode steps go through compiled graphs
+("int4 · compiled"; a step that fell back to eager says so after its turn); a remote backend,
+which does not say, leaves it empty.
 """
 
 from dataclasses import dataclass
@@ -61,6 +64,15 @@ class LatencyPanel(Widget):
 
     def on_mount(self) -> None:
         self.border_title = "latency"
+
+    def show_engine(self, weights: str | None, compiled: bool | None) -> None:
+        """The engine's weight format and compiled step, as its backend reports them (None: unknown)."""
+        if not weights:
+            self.border_subtitle = ""
+        elif compiled is None:
+            self.border_subtitle = weights
+        else:
+            self.border_subtitle = f"{weights} · {'compiled' if compiled else 'eager'}"
 
     @property
     def last(self) -> LatencySample | None:
