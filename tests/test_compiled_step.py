@@ -203,7 +203,7 @@ def test_without_a_compiler_the_engine_runs_eager_after_one_notice(
 
 
 def test_int4_weights_decode_through_the_graph(tiny_llama_path: Path) -> None:
-    """int4 weights (and their bfloat16 head) run in the graph and compute what the eager int4
+    """int4 weights (and their rescored head) run in the graph and compute what the eager int4
     forward does, up to an exact bfloat16 tie: on the Intel Xeon the default model decoded at
     43 tok/s eager and 83 compiled this way (bench.decode, batch 1)."""
     from tests.test_weight_formats import assert_equal_up_to_a_tie
@@ -213,7 +213,7 @@ def test_int4_weights_decode_through_the_graph(tiny_llama_path: Path) -> None:
     eager = Engine(tiny_llama_path, **options)  # type: ignore[arg-type]
     step = step_of(compiled)
     assert [layer.qkv.kind for layer in step.graph.layers][:1] == ["int4"]
-    assert step.graph.head.kind == "float" and step.graph.head.weight.dtype == torch.bfloat16
+    assert step.graph.head.kind == "rescored" and step.graph.head.weight.dtype == torch.bfloat16
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     prompt = prompts(1)[0]
     expected = eager.generate(prompt, params)[0].token_ids

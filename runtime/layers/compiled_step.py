@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from runtime.kv.cache import KVCache
 from runtime.layers.gemm import LINEAR, matmul
 from runtime.layers.llama_forward import LlamaFamilyForward, Matrix
+from runtime.layers.rescored_head import RescoredHead, rescored_logits
 from runtime.layers.weights import ACTIVATION_DTYPE, Int4Weight, Int8Weight
 from runtime.paths import cache_dir
 
@@ -78,6 +79,12 @@ class PackedLinear(torch.nn.Module):
             self.group_size = weight.group_size
             self.register_buffer("qweight", weight.packed)
             self.register_buffer("scales", weight.scales_and_zeros)
+        elif isinstance(weight, RescoredHead):
+            self.kind = "rescored"
+            self.rescored = weight  # which coarse pass each batch bucket takes, and how many candidates
+            self.register_buffer("qweight", weight.coarse.qweight)
+            self.register_buffer("scales", weight.coarse.scales)
+            self.register_buffer("weight", weight.exact.detach())
         else:
             self.register_buffer("weight", weight.detach())
         self.register_buffer("bias", None if bias is None else bias.detach())
@@ -92,6 +99,13 @@ class PackedLinear(torch.nn.Module):
                 # (K, rows), which BLAS streams at about half the rate of the eager column-major view.
                 chunk = max(chunk, x.shape[0])
             return matmul(x.to(self.weight.dtype), self.weight, self.bias, chunk)
+        if self.kind == "rescored":
+            head = self.rescored
+            # x.shape[0] is static in each bucket's graph: the coarse pass is a constant of it.
+            y = rescored_logits(
+                x, self.qweight, self.scales, self.weight, head.uses_int8(x.shape[0]), head.num_candidates
+            )
+            return y if self.bias is None else y + self.bias
         x = x.to(ACTIVATION_DTYPE)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)

@@ -77,7 +77,7 @@ class GemmPlan:
         """The weight shapes to run weight-major for a product of ``rows`` rows, with their chunks."""
         forms = self._by_rows.get(rows)
         if forms is None:
-            bucket = _bucket(rows)
+            bucket = row_bucket(rows)
             forms = {}
             if bucket is not None:
                 forms = {
@@ -100,7 +100,7 @@ class GemmPlan:
         return cls(chunks)
 
 
-def _bucket(rows: int) -> int | None:
+def row_bucket(rows: int) -> int | None:
     """Index of the smallest ROW_BUCKETS entry not below ``rows``; None beyond the last."""
     if rows > ROW_BUCKETS[-1]:
         return None
@@ -152,7 +152,7 @@ def _time_shape(weights: list[torch.Tensor]) -> tuple[int, ...]:
         x = torch.randn(rows, k, generator=generator).to(weights[0].dtype)
 
         def run(chunk: int, x: torch.Tensor = x) -> float:
-            return _best_time(lambda: [matmul(x, w, None, chunk) for w in weights])
+            return best_time(lambda: [matmul(x, w, None, chunk) for w in weights])
 
         linear = run(LINEAR)
         chunks = sorted({max(rows // d, 2) for d in (1, 2, 4)}) if rows > 1 else [1]
@@ -163,7 +163,7 @@ def _time_shape(weights: list[torch.Tensor]) -> tuple[int, ...]:
 
 
 @torch.inference_mode()
-def _best_time(run: Callable[[], object], repeats: int = 2) -> float:
+def best_time(run: Callable[[], object], repeats: int = 2) -> float:
     run()  # warm-up: first-call allocations and BLAS setup
     best = float("inf")
     for _ in range(repeats):

@@ -14,10 +14,10 @@ transformers'. Each product is asked of BLAS in the form a :class:`GemmPlan` tim
 this machine (``runtime/layers/gemm.py``), which changes only rounding; the tests assert tokens against
 ``generate()`` either way.
 
-With a quantized weight format (``runtime/layers/weights.py``) the fused matrices and the output
-head (in its own format, ``HEAD_FORMAT``: int8, or bfloat16 under int4) are packed once, from the
-weights as loaded (float32), and the model's own copies are released: only this forward can run
-such a model. The products run in bfloat16; the residual
+With a quantized weight format (``runtime/layers/weights.py``) the fused matrices are packed once,
+from the weights as loaded (float32), and the model's own copies are released: only this forward
+can run such a model. The output head becomes a bfloat16 matrix with an int8 copy for a coarse
+first pass (``runtime/layers/rescored_head.py``). The products run in bfloat16; the residual
 stream and the norms stay float32.
 """
 
@@ -29,10 +29,9 @@ import torch.nn.functional as F
 
 from runtime.layers.attention import METADATA_KWARG, AttentionMetadata, paged_attention_forward
 from runtime.layers.gemm import LINEAR, GemmPlan, Shape, matmul, plan_for
+from runtime.layers.rescored_head import RescoredHead
 from runtime.layers.weights import (
     ACTIVATION_DTYPE,
-    FLOAT_FORMATS,
-    HEAD_FORMAT,
     QUANTIZED_FORMATS,
     QuantizedWeight,
     quantize,
@@ -72,7 +71,7 @@ class _Layer:
     down_bias: torch.Tensor | None
 
 
-Matrix = torch.Tensor | QuantizedWeight
+Matrix = torch.Tensor | QuantizedWeight | RescoredHead
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -104,7 +103,7 @@ def _release(linears: list[torch.nn.Linear]) -> None:
 
 
 def _pack(
-    model: Any, weights: str
+    model: Any, weights: str, tune_gemm: bool
 ) -> tuple[Matrix, list[tuple[Matrix, Matrix, Matrix, Matrix]], list[tuple[torch.Tensor | None, ...]]]:
     """The output head, each layer's (qkv, o, gate_up, down) matrices and its (qkv, gate_up) biases.
 
@@ -113,14 +112,9 @@ def _pack(
     """
     quantized = weights in QUANTIZED_FORMATS
     head: Matrix = model.lm_head.weight
-    head_format = HEAD_FORMAT.get(weights, weights)
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    if head_format in QUANTIZED_FORMATS:
-        head = quantize(model.lm_head.weight, head_format)
-        if not tied:  # a tied head keeps the embedding
-            _release([model.lm_head])
-    elif quantized:
-        head = model.lm_head.weight.data = model.lm_head.weight.data.to(getattr(torch, head_format))
+    if quantized:  # two passes, coarse and exact (rescored_head.py); a tied head is the embedding
+        exact = model.lm_head.weight.data = model.lm_head.weight.data.to(ACTIVATION_DTYPE)
+        head = RescoredHead.build(exact, time_passes=tune_gemm)
     matrices: list[tuple[Matrix, Matrix, Matrix, Matrix]] = []
     biases: list[tuple[torch.Tensor | None, ...]] = []
     for layer in model.model.layers:
@@ -146,9 +140,8 @@ def _pack(
         matrices.append(four)
         biases.append((qkv_bias, gate_up_bias))
     if quantized:
-        embedding = model.model.embed_tokens.weight
-        if not (tied and head_format in FLOAT_FORMATS):  # a float head shares the tied embedding
-            embedding.data = embedding.data.to(ACTIVATION_DTYPE)  # looked up row by row: precision, not speed
+        embedding = model.model.embed_tokens.weight  # looked up row by row: precision, not speed
+        embedding.data = embedding.data.to(ACTIVATION_DTYPE)  # a no-op where it is the tied head
         # Biases join the kernels' bfloat16 outputs, which must stay bfloat16 up to attention.
         for layer in model.model.layers:
             for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
@@ -169,7 +162,7 @@ class LlamaFamilyForward:
         """
         config = model.config
         self.weights = weights or str(model.lm_head.weight.dtype).removeprefix("torch.")
-        self.lm_head_weight, matrices, biases = _pack(model, self.weights)
+        self.lm_head_weight, matrices, biases = _pack(model, self.weights, tune_gemm)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -272,7 +265,9 @@ def _linear(
 ) -> torch.Tensor:
     """``F.linear`` in the form the plan chose for this weight's shape, or a packed weight's kernel."""
     if isinstance(weight, torch.Tensor):
-        x = x.to(weight.dtype)  # a float head under a quantized format; a no-op otherwise
         return matmul(x, weight, bias, forms.get((weight.shape[0], weight.shape[1]), LINEAR))
-    y = weight.matmul(x.to(ACTIVATION_DTYPE))  # a no-op where x is already bfloat16
+    if isinstance(weight, RescoredHead):
+        y = weight.matmul(x)  # its candidates are rescored from the float32 hidden state
+    else:
+        y = weight.matmul(x.to(ACTIVATION_DTYPE))  # a no-op where x is already bfloat16
     return y if bias is None else y + bias

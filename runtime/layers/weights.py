@@ -34,13 +34,6 @@ INT4_GROUP_SIZE = 32
 # The CPU int4 kernel packs output channels in tiles of 16; other shapes fall back to int8.
 INT4_OUTPUT_MULTIPLE = 16
 ACTIVATION_DTYPE = torch.bfloat16  # of the quantized formats: their kernels' fast path
-# The output head's format under each quantized format. A model's head (often its tied
-# embedding) is usually stored finer than its layers: SmolLM2's is not on a 4-bit grid, and int4
-# of it alone cost a KL divergence of 6e-2 from float32. Under int4 the head is bfloat16: with an
-# int8 head the default model's KLD over 256 held tokens was 1.5e-3 (the head's per-channel int8
-# alone about 1e-3), with a bfloat16 one 6.3e-4 (top-1 0.98; a float32 head: 2.7e-4, 0.99, at
-# twice its bytes and 5x its 8-row cost on a CPU with bf16 matrix units).
-HEAD_FORMAT = {"int8": "int8", "int4": "bfloat16"}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
