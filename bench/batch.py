@@ -34,6 +34,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3, help="rounds of all four, each on fresh prompts")
+    parser.add_argument(
+        "--weights",
+        default="auto",
+        help="liubai's weight format (auto: --dtype's float weights; int8/int4 need --dtype bfloat16); "
+        "transformers always runs --dtype",
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="liubai's compiled decode step (its compiles in the warm-up)"
+    )
     args = common.parse(parser)
     if args.quick:
         args.requests, args.new_tokens, args.prompt_tokens, args.repeats = 4, 16, 64, 2
@@ -113,7 +122,7 @@ def main() -> None:
     args = parse_args()
     n, k = args.new_tokens, args.requests
     model_dir = common.resolve_model_dir(args.model)
-    engine = common.make_engine(model_dir, args.dtype)
+    engine = common.make_engine(model_dir, args.dtype, weights=args.weights, compile=args.compile)
     hf_model = common.load_hf(model_dir, args.dtype)
     # Per round k prompts for the concurrent batch and k for the sequential side; k + 1 to warm up.
     prompts = [
@@ -121,6 +130,7 @@ def main() -> None:
         for i in range(2 * k * args.repeats + k + 1)
     ]
     common.log(f"{k} requests of ~{len(prompts[0])} prompt tokens, {n} new tokens each ({args.dtype})")
+    common.log(f"liubai: {engine.weight_format} weights, compiled step {'on' if args.compile else 'off'}")
     common.log(f"warm-up: the batches at {k}, liubai alone at 1")
     warm, warm_alone = prompts[-k - 1 : -1], prompts[-1]
     engine.generate(warm, common.sampling(4))
@@ -156,6 +166,9 @@ def main() -> None:
         **medians,
         "spread": spread,
         "num_cached_tokens": sum(c.metrics.num_cached_tokens for c in completions),
+        "format": engine.weight_format,
+        "compiled": bool(engine.compiled),  # False where compiling fell back to eager
+        "hf_padded_dtype": args.dtype,
         "max_batch_size": stats.max_batch_size,
         "num_preemptions": stats.num_preemptions,
         "requests": k,
