@@ -97,6 +97,7 @@ def test_script_json_fields_and_database_rows(backend: LocalBackend, tmp_path: P
     assert [r["cached_tokens"] for r in rows] == [t["usage"]["cached_tokens"] for t in result["turns"]]
     assert [r["generated_tokens"] for r in rows] == [t["usage"]["generated_tokens"] for t in result["turns"]]
     assert sum(r["compute_s"] for r in rows) == pytest.approx(result["cost"]["compute_s"], abs=1e-5)
+    assert [(r["weights"], r["compiled"]) for r in rows] == [("float32", 0)] * len(rows)  # m006
     messages = store.messages(result["session_id"])
     assert [m.content for m in messages if m.role == "user"] == SCRIPT_TURNS
     assert [m.content for m in messages if m.role == "assistant"] == [t["answer"] for t in result["turns"]]
