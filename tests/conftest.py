@@ -25,6 +25,7 @@ from runtime.models.registry import DEFAULT_MODEL
 # The environment variable that moves each machine-specific cache, and its directory's name.
 MACHINE_CACHES = {
     "LIUBAI_GEMM_PLAN_DIR": "gemm",
+    "LIUBAI_WEIGHT_CACHE_DIR": "weights",
     "LIUBAI_KV_DISK_DIR": "kv",
     "TORCHINDUCTOR_CACHE_DIR": "inductor",
 }

@@ -102,6 +102,39 @@ def test_quantized_engine_computes_what_its_weights_say(weights: str, tiny_qwen2
     assert all(len(c.token_ids) == 16 for c in engine.generate([ids[:5], ids], params))
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_weights_are_read_back_from_the_cache(
+    weights: str, tiny_qwen2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second load of a model in a format reads the packed matrices its first load filed,
+    bit for bit, without quantizing; a damaged file is quantized again and replaced."""
+    import runtime.layers.llama_forward as llama_forward
+
+    monkeypatch.setenv("LIUBAI_WEIGHT_CACHE_DIR", str(tmp_path))
+    first = _engine(tiny_qwen2_path, weights)
+    (filed,) = tmp_path.glob("*.pt")
+
+    def refuse(*_args: object) -> None:
+        raise AssertionError("quantized again despite the cache")
+
+    monkeypatch.setattr(llama_forward, "quantize", refuse)
+    second = _engine(tiny_qwen2_path, weights)
+    a, b = first.runner.lean_forward, second.runner.lean_forward
+    assert a is not None and b is not None
+    for mine, theirs in zip(a.matrices(), b.matrices(), strict=True):
+        assert torch.equal(mine.dequantize(), theirs.dequantize())
+    ids = [5, 17, 300, 4000, 12]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert second.generate(ids, params)[0].token_ids == first.generate(ids, params)[0].token_ids
+
+    monkeypatch.undo()
+    monkeypatch.setenv("LIUBAI_WEIGHT_CACHE_DIR", str(tmp_path))
+    filed.write_bytes(b"not a torch file")
+    third = _engine(tiny_qwen2_path, weights)
+    assert third.generate(ids, params)[0].token_ids == first.generate(ids, params)[0].token_ids
+    assert filed.stat().st_size > 100  # rewritten
+
+
 def test_weight_bytes_shrink_with_the_format(tiny_llama_path: Path, tiny_float32: Engine) -> None:
     sizes, heads = {}, {}
     for weights in ("bfloat16", "int8", "int4"):

@@ -21,6 +21,7 @@ first pass (``runtime/layers/rescored_head.py``). The products run in bfloat16; 
 stream and the norms stay float32.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from runtime.layers.attention import METADATA_KWARG, AttentionMetadata, paged_attention_forward
 from runtime.layers.gemm import LINEAR, GemmPlan, Shape, matmul, plan_for
 from runtime.layers.rescored_head import RescoredHead
+from runtime.layers.weight_cache import cached_quantize, weights_key
 from runtime.layers.weights import (
     ACTIVATION_DTYPE,
     QUANTIZED_FORMATS,
@@ -108,38 +110,31 @@ def _pack(
     """The output head, each layer's (qkv, o, gate_up, down) matrices and its (qkv, gate_up) biases.
 
     Float formats fuse in place (the modules become views); quantized ones quantize the fused
-    float32 weights, release the modules' copies and cast the rest of the model to bfloat16.
+    float32 weights (or read them back from ``weight_cache.py``), release the modules' copies
+    and cast the rest of the model to bfloat16.
     """
     quantized = weights in QUANTIZED_FORMATS
     head: Matrix = model.lm_head.weight
     if quantized:  # two passes, coarse and exact (rescored_head.py); a tied head is the embedding
         exact = model.lm_head.weight.data = model.lm_head.weight.data.to(ACTIVATION_DTYPE)
         head = RescoredHead.build(exact, time_passes=tune_gemm)
-    matrices: list[tuple[Matrix, Matrix, Matrix, Matrix]] = []
+    dense: list[torch.Tensor] = []  # each layer's qkv, o, gate_up, down
     biases: list[tuple[torch.Tensor | None, ...]] = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv_weight, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         gate_up_weight, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
-        dense = (qkv_weight, attn.o_proj.weight, gate_up_weight, mlp.down_proj.weight)
-        four: tuple[Matrix, Matrix, Matrix, Matrix] = dense
-        if quantized:
-            qkv, o, gate_up, down = (quantize(w, weights) for w in dense)
-            four = (qkv, o, gate_up, down)
-            _release(
-                [
-                    attn.q_proj,
-                    attn.k_proj,
-                    attn.v_proj,
-                    attn.o_proj,
-                    mlp.gate_proj,
-                    mlp.up_proj,
-                    mlp.down_proj,
-                ]
-            )
-        matrices.append(four)
+        dense += [qkv_weight, attn.o_proj.weight, gate_up_weight, mlp.down_proj.weight]
         biases.append((qkv_bias, gate_up_bias))
+    packed: Sequence[Matrix] = dense
     if quantized:
+        packed = cached_quantize(
+            weights_key(dense, weights), len(dense), lambda: [quantize(w, weights) for w in dense]
+        )
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj]
+            _release([*linears, mlp.down_proj])
         embedding = model.model.embed_tokens.weight  # looked up row by row: precision, not speed
         embedding.data = embedding.data.to(ACTIVATION_DTYPE)  # a no-op where it is the tied head
         # Biases join the kernels' bfloat16 outputs, which must stay bfloat16 up to attention.
@@ -148,6 +143,7 @@ def _pack(
                 if lin.bias is not None:
                     lin.bias.data = lin.bias.data.to(ACTIVATION_DTYPE)
         biases = [tuple(None if b is None else b.to(ACTIVATION_DTYPE) for b in pair) for pair in biases]
+    matrices = [(packed[i], packed[i + 1], packed[i + 2], packed[i + 3]) for i in range(0, len(packed), 4)]
     return head, matrices, biases
 
 
