@@ -17,7 +17,7 @@ context) x liubai tok/s / the best memory read bandwidth measured during the run
 
 ``formats``: one row per weight format (``--formats``; each its own engine, a peer in the
 same turns): its decode speed and TTFT, its quality against float32 weights over a held text
-(``kld_mean``, ``top1_agree``, ``ppl_delta_pct``; 256 tokens of ``bench/data/kvquant_text.txt``
+(``kld_mean``, ``top1_agree``, ``ppl_delta_pct``; 256 tokens of ``runtime/engine/held_text.txt``
 scored in one prefill), the bytes one decode step reads (its matrices, one embedding row and
 the KV at the mean context) and the roofline fraction of those bytes. ``best_format`` is the
 fastest row within ``kld_mean`` <= 1e-3 and ``top1_agree`` >= 0.98 (float32 always is);
@@ -45,9 +45,6 @@ Call = Callable[[list[int], int], list[int]]  # (prompt ids, new tokens) -> gene
 FORMATS = ("float32", "bfloat16", "int8", "int4")
 COMPILED_FORMATS = FORMATS  # --compiled's default: a second row each, compiled
 COMPILED_SUFFIX = " compiled"  # a row key: the format, and this for its compiled row
-MAX_KLD, MIN_TOP1 = 1e-3, 0.98  # the quality a best_format must keep against float32 weights
-HELD_TEXT = Path(__file__).resolve().parent / "data" / "kvquant_text.txt"
-HELD_TOKENS = 256
 
 
 @dataclass
@@ -185,20 +182,17 @@ def format_rows(
     bandwidth: float,
 ) -> list[dict[str, Any]]:
     """One row per weight format: speed, quality against float32 weights, bytes read per step."""
-    from runtime.engine.scoring import prompt_logits
+    from runtime.engine.scoring import held_token_ids, quality
 
-    ids = list(tokenizer.encode(HELD_TEXT.read_text(), add_special_tokens=False))[:HELD_TOKENS]
+    ids = held_token_ids(tokenizer)
     reference = engines.get("float32") or common.make_engine(
         engines[next(iter(engines))].model_path, "float32"
     )
-    ref = torch.log_softmax(prompt_logits(reference, ids), dim=-1)  # (T, V)
-    targets = torch.tensor(ids[1:])[:, None]
-    ref_ppl = float((-ref[:-1].gather(1, targets).mean()).exp())
+    ref = reference.prompt_logits(ids)  # (T, V)
     rows = []
     for key, engine in engines.items():
         fmt = key.removesuffix(COMPILED_SUFFIX)
-        logprobs = torch.log_softmax(prompt_logits(engine, ids), dim=-1)
-        ppl = float((-logprobs[:-1].gather(1, targets).mean()).exp())
+        score = quality(ref, engine.prompt_logits(ids), ids)
         forward = engine.runner.lean_forward
         embedding = engine.model.model.embed_tokens.weight
         bytes_read = (
@@ -215,9 +209,9 @@ def format_rows(
                 "speculate": engine.speculate,
                 "decode_tok_s": common.rounded(rate),
                 "ttft_ms": round(peers[key].ttft_ms(), 1),
-                "kld_mean": float((ref.exp() * (ref - logprobs)).sum(-1).mean()),
-                "top1_agree": round(float((ref.argmax(-1) == logprobs.argmax(-1)).float().mean()), 4),
-                "ppl_delta_pct": round((ppl / ref_ppl - 1) * 100, 3),
+                "kld_mean": score.kld_mean,
+                "top1_agree": round(score.top1_agree, 4),
+                "ppl_delta_pct": round(score.ppl_delta_pct, 3),
                 "bytes_per_token_read": int(bytes_read),
                 "roofline_fraction": common.ratio(rate and bytes_read * rate, bandwidth * 1e9),
             }
@@ -287,6 +281,8 @@ def main() -> None:
     bandwidth = max(bandwidths)
     bytes_per_step = common.param_bytes(engine.model) + engine.stats().bytes_per_token * (prompt_len + n / 2)
     rows = format_rows(engines, format_peers, tokenizer, n, prompt_len + n / 2, bandwidth)
+    from runtime.engine.scoring import MAX_KLD, MIN_TOP1
+
     best = max(
         (r for r in rows if r["kld_mean"] <= MAX_KLD and r["top1_agree"] >= MIN_TOP1),
         key=lambda r: r["decode_tok_s"] or 0.0,

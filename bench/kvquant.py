@@ -3,7 +3,7 @@
 Modes: ``auto`` (the model dtype), ``int8``, ``fp8``, ``k8v4`` (int8 keys, int4 values), ``int4``.
 For each: exact ``bytes_per_token``; ``bytes_ratio`` against ``auto`` stored in 16 bits (2 bytes
 an element, even though the model runs fp32 on CPU); ``tokens_in_64MiB``; quality teacher-forced
-over a fixed English text that ships with the benchmark (``bench/data/kvquant_text.txt``, cut to
+over a fixed English text that ships with the benchmark (``runtime/engine/held_text.txt``, cut to
 ``--text-tokens``), prefilled in chunks of ``--chunk`` tokens, every position attending to the
 blocks before its own as stored (quantized) and to its own block exactly, just as it would
 while decoding (``runtime/kv/context.py``); ``kld_mean`` (KL(auto || mode) of the
@@ -31,14 +31,12 @@ thread stalls for milliseconds whenever the other core is busy, which swamps eve
 import argparse
 import math
 from dataclasses import fields
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench import common
 
-TEXT = Path(__file__).resolve().parent / "data" / "kvquant_text.txt"
 POOL_64MIB = 64 * 2**20
 MODES: dict[str, dict[str, str]] = {
     "auto": {},
@@ -277,10 +275,12 @@ def time_decode(
 
 
 def main() -> None:
+    from runtime.engine.scoring import held_token_ids
+
     args = parse_args()
     model_dir = common.resolve_model_dir(args.model)
     tokenizer = common.load_tokenizer(model_dir)
-    ids = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)[: args.text_tokens]
+    ids = held_token_ids(tokenizer, args.text_tokens)
     modes = evaluate_liubai(args, model_dir, ids)
     hf_model, peers = (None, []) if args.no_peers else evaluate_peers(args, model_dir, ids)
     rates, forward = time_decode(args, model_dir, ids, hf_model, peers)

@@ -313,9 +313,8 @@ def agreement(reference: list[int], tokens: list[int]) -> tuple[float, int | Non
 
 def top2_gap(engine: Any, prompt: list[int], prefix: list[int]) -> dict[str, Any]:
     """The two largest logits of plain decoding's distribution after ``prompt + prefix``."""
-    from runtime.engine.scoring import prompt_logits
 
-    values, ids = torch.topk(prompt_logits(engine, prompt + prefix)[-1], 2)
+    values, ids = torch.topk(engine.prompt_logits(prompt + prefix)[-1], 2)
     return {"gap": round(float(values[0] - values[1]), 5), "top2_token_ids": ids.tolist()}
 
 

@@ -26,6 +26,7 @@ from runtime.models.registry import DEFAULT_MODEL
 MACHINE_CACHES = {
     "LIUBAI_GEMM_PLAN_DIR": "gemm",
     "LIUBAI_WEIGHT_CACHE_DIR": "weights",
+    "LIUBAI_WEIGHT_PLAN_DIR": "weight-plan",
     "LIUBAI_KV_DISK_DIR": "kv",
     "TORCHINDUCTOR_CACHE_DIR": "inductor",
 }

@@ -63,7 +63,9 @@ def test_batch_of_different_lengths_equals_each_alone(engine: Engine, prompt_ids
 
 
 def test_chunked_prefill_gives_the_same_tokens(default_model_path: Path, prompt_ids, reference) -> None:
-    small_steps = Engine(default_model_path, kv_pool="64MiB", max_num_batched_tokens=16, device="cpu")
+    small_steps = Engine(
+        default_model_path, kv_pool="64MiB", max_num_batched_tokens=16, device="cpu", dtype="float32"
+    )
     completions = small_steps.generate(prompt_ids[:2], GREEDY)
     assert [c.token_ids for c in completions] == reference[:2]
     for c, ids in zip(completions, prompt_ids, strict=False):

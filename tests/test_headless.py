@@ -47,7 +47,9 @@ def write_script(path: Path, turns: list[str]) -> Path:
 @pytest.fixture(scope="module")
 def backend(default_model_path: Path) -> LocalBackend:
     return LocalBackend(
-        Engine(model=str(default_model_path), kv_pool="256MiB"), model_name="smollm2-135m-instruct"
+        # float32 named: the fields below (KV dtype, bytes, weights, speculation) are its figures.
+        Engine(model=str(default_model_path), kv_pool="256MiB", dtype="float32"),
+        model_name="smollm2-135m-instruct",
     )
 
 
@@ -84,7 +86,7 @@ def test_script_json_fields_and_database_rows(backend: LocalBackend, tmp_path: P
     assert result["kv"]["budget_bytes"] == 2048 * backend.bytes_per_token
     assert result["kv"]["k_dtype"] == "float32" and result["timings"]["ttft_ms"] > 0
     assert result["kv"]["weights"] == "float32" and result["kv"]["compiled"] is False
-    # --speculate auto is prompt lookup on the float32 default; the counters add up.
+    # --speculate auto is prompt lookup with float32 weights; the counters add up.
     timings = result["timings"]
     assert result["kv"]["speculate"] == "ngram"
     assert 0 <= timings["num_accepted_tokens"] <= timings["num_draft_tokens"]

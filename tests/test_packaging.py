@@ -59,6 +59,7 @@ def test_wheel_holds_every_subpackage_and_stylesheet_and_no_bench_or_tests(wheel
     stylesheets = set(_tracked("*.tcss"))
     assert "tui/screens/chat.tcss" in stylesheets
     assert stylesheets <= names
+    assert "runtime/engine/held_text.txt" in names  # what --weights auto scores formats on
     modules = set(_tracked("*.py"))
     assert modules <= names, sorted(modules - names)
     assert not {n for n in names if n.startswith(("bench/", "tests/"))}

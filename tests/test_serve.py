@@ -38,7 +38,7 @@ TEXT_PROMPT = "The three oldest libraries in the world are"
 
 @pytest.fixture(scope="module")
 def engine(default_model_path: Path) -> Engine:
-    return Engine(model=default_model_path, kv_pool="64MiB")
+    return Engine(model=default_model_path, kv_pool="64MiB", dtype="float32")  # /metrics names the format
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,8 @@ Scenario = Callable[[LiubaiApp, Pilot[None]], Awaitable[None]]
 def backend(default_model_path: Path) -> LocalBackend:
     from runtime import Engine
 
-    return LocalBackend(Engine(model=str(default_model_path), kv_pool="128MiB"))
+    # float32 named: the budget's tokens and bytes shown are that dtype's.
+    return LocalBackend(Engine(model=str(default_model_path), kv_pool="128MiB", dtype="float32"))
 
 
 @pytest.fixture(scope="module")

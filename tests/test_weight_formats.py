@@ -13,12 +13,9 @@ import torch
 
 from runtime import Engine, SamplingParams
 from runtime.engine.config import EngineConfig
-from runtime.engine.scoring import prompt_logits
+from runtime.engine.scoring import HELD_TEXT, HELD_TOKENS
 from runtime.layers.rescored_head import NUM_CANDIDATES, RescoredHead
 from runtime.layers.weights import Int4Weight, Int8Weight, int4_codes, quantize_int4, quantize_int8
-
-HELD_TEXT = Path(__file__).parents[1] / "bench" / "data" / "kvquant_text.txt"
-HELD_TOKENS = 256
 
 
 def _engine(path: Path, weights: str, **options: object) -> Engine:
@@ -95,8 +92,8 @@ def test_quantized_engine_computes_what_its_weights_say(weights: str, tiny_qwen2
     assert isinstance(head, RescoredHead)
     dense.lm_head_weight = head.exact.float()  # not in place: it is the tied embedding
     ids = [5, 17, 300, 4000, 12, *range(100, 140)]
-    want = prompt_logits(simulated, ids)
-    got = prompt_logits(engine, ids)
+    want = simulated.prompt_logits(ids)
+    got = engine.prompt_logits(ids)
     assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.05
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     assert all(len(c.token_ids) == 16 for c in engine.generate([ids[:5], ids], params))
@@ -196,7 +193,7 @@ def held_ids(default_model_path: Path) -> list[int]:
 @pytest.fixture(scope="module")
 def float32_logprobs(default_model_path: Path, held_ids: list[int]) -> torch.Tensor:
     engine = Engine(default_model_path, kv_pool="32MiB", device="cpu", weights="float32")
-    return torch.log_softmax(prompt_logits(engine, held_ids), dim=-1)
+    return torch.log_softmax(engine.prompt_logits(held_ids), dim=-1)
 
 
 # Measured (kld_mean, top1), the head rescored: int8 3.1e-3 / 0.969, int4 3.2e-4 / 0.992 (Intel
@@ -221,7 +218,7 @@ def test_default_model_quality_over_a_held_text(
     engine = Engine(default_model_path, kv_pool="32MiB", device="cpu", weights=weights)
     if int8_coarse:
         monkeypatch.setattr(RescoredHead, "uses_int8", lambda self, rows: True)
-    logprobs = torch.log_softmax(prompt_logits(engine, held_ids), dim=-1)
+    logprobs = torch.log_softmax(engine.prompt_logits(held_ids), dim=-1)
     kld = (float32_logprobs.exp() * (float32_logprobs - logprobs)).sum(-1)  # (T,)
     top1 = (float32_logprobs.argmax(-1) == logprobs.argmax(-1)).float().mean()
     targets = torch.tensor(held_ids[1:])[:, None]
@@ -263,7 +260,7 @@ def assert_equal_up_to_a_tie(engine: Engine, prompt: list[int], expected: list[i
     first = next((i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b), None)
     if first is None:
         return
-    values, ids = prompt_logits(engine, prompt + expected[:first])[-1].topk(2)
+    values, ids = engine.prompt_logits(prompt + expected[:first])[-1].topk(2)
     assert {expected[first], got[first]} == set(ids.tolist()), (first, expected[first], got[first])
     assert float(values[0] - values[1]) <= 0.0625, (first, values.tolist())
 

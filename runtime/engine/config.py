@@ -45,7 +45,9 @@ class EngineConfig:
     # "auto": each product in the form timed fastest on this CPU (gemm.py); "torch": F.linear.
     gemm: str = "auto"
     # Weight format of the lean forward: "float32", "bfloat16", "int8" (per output channel) or
-    # "int4" (group 32); "auto" keeps the dtype's float weights. int8/int4 run bfloat16 activations.
+    # "int4" (group 32); "auto": on a CPU with dtype "auto" the fastest format measured on this
+    # machine within the quality bound (runtime/engine/weight_plan.py), else the dtype's float
+    # weights. int8/int4 run bfloat16 activations.
     weights: str = "auto"
     # Pure-decode steps through graphs compiled by inductor, one per batch bucket
     # (runtime/layers/compiled_step.py). Only the lean forward over a full-precision KV pool

@@ -19,20 +19,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from runtime.engine.config import SPECULATE_AUTO_FORMATS, EngineConfig
 from runtime.engine.metrics import EngineStats, RequestMetrics
 from runtime.engine.model_runner import ModelRunner, StepOutput
 from runtime.engine.sampling import SamplingParams, sample
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.sequence import Sequence, SequenceStatus
+from runtime.engine.weight_plan import TRIAL_OPTIONS, weight_plan
 from runtime.errors import ModelError, PoolTooSmallError, PromptTooLongError
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.cache import KVCache, KVLayout, num_blocks_for
 from runtime.kv.disk_prefix import DiskPrefixCache
-from runtime.layers.attention import ATTENTION_NAME, paged_attention_forward
+from runtime.layers.attention import ATTENTION_NAME, AttentionMetadata, PrefillSpan, paged_attention_forward
 from runtime.layers.llama_forward import supports as supports_lean_forward
+from runtime.layers.llama_forward import supports_config as supports_lean_forward_config
 from runtime.layers.weights import ACTIVATION_DTYPE, QUANTIZED_FORMATS, dtype_for
-from runtime.models.loader import load_model
+from runtime.models.loader import load_model, resolve_device, resolve_model
 from runtime.sizes import format_bytes
 from runtime.speculation.adaptive import DraftLength
 from runtime.speculation.drafter import Drafter
@@ -78,6 +82,8 @@ class Engine:
         graph compiling, compiling falling back to eager); None logs them at INFO."""
         self.config = EngineConfig(model=model, **options)
         weights = self.config.weights
+        if weights == "auto":
+            weights = self._auto_weights(on_notice or log.info)
         loaded = load_model(
             self.config.model, dtype=dtype_for(weights, self.config.dtype), device=self.config.device
         )
@@ -182,6 +188,27 @@ class Engine:
             self.speculate = "ngram" if self.weight_format in SPECULATE_AUTO_FORMATS else "off"
         if self.speculate == "draft":
             self._drafter("draft")
+
+    def _auto_weights(self, on_notice: Callable[[str], None]) -> str:
+        """``weights="auto"``: the weight plan's measured choice (weight_plan.py) where nothing else
+        decides (dtype auto, the lean forward, a CPU); "auto" (the dtype's float weights) elsewhere."""
+        config = self.config
+        if config.dtype != "auto" or config.forward != "auto" or resolve_device(config.device).type != "cpu":
+            return "auto"
+        path = resolve_model(config.model)
+        try:
+            from transformers import AutoConfig
+
+            lean = supports_lean_forward_config(AutoConfig.from_pretrained(path))
+        except (OSError, ValueError, KeyError):
+            return "auto"  # load_model below says what is wrong with the model
+        if not lean:
+            return "auto"
+
+        def trial(fmt: str) -> "Engine":
+            return Engine(path, weights=fmt, **TRIAL_OPTIONS)
+
+        return weight_plan(path, trial, on_notice).choice
 
     def _open_disk_cache(self, layout: KVLayout) -> DiskPrefixCache | None:
         """The disk tier under the prefix cache, filed under a fingerprint of what the numbers
@@ -594,6 +621,38 @@ class Engine:
             "kv_disk_evicted_blocks": tier.num_evicted_blocks,
             "kv_disk_notice": tier.notice,
         }
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Float32 logits (T, V) of one prefill over ``token_ids``: row i is the distribution of
+        token i + 1 given tokens 0..i, from the forward this engine decodes with.
+
+        For judging a weight format (runtime/engine/scoring.py). The prefill writes its keys and
+        values into the pool's first blocks without the block manager, so it needs an idle engine
+        and afterwards forgets the prefix cache those writes made stale.
+        """
+        stats = self.stats()
+        if stats.num_running or stats.num_waiting:
+            raise RuntimeError("prompt_logits needs an idle engine: it writes KV outside the block manager")
+        if self.kv_cache.layout.quantized:
+            raise ValueError("prompt_logits needs KV stored in the model dtype (kv_dtype='auto')")
+        num_tokens = len(token_ids)
+        if num_tokens > self.pool_capacity_tokens:
+            raise ValueError(
+                f"{num_tokens} tokens do not fit the KV pool ({self.pool_capacity_tokens} tokens)"
+            )
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=positions,  # the pool's first slots, in order
+            prefills=[PrefillSpan(0, num_tokens, None, None)],
+            decode=None,
+        )
+        ids = torch.tensor(token_ids, device=self.device)
+        with self._step_lock:
+            logits = self.runner.forward(ids, positions, meta, positions)  # (T, V)
+        self.reset_prefix_cache()
+        return logits.float()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (only unreferenced blocks; running requests keep theirs)."""

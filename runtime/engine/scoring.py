@@ -1,44 +1,44 @@
-"""Logits at every position of a token sequence, from the engine's own forward.
+"""How close one forward's distributions are to a reference's, over a held text.
 
 Judging a weight format (KL divergence, top-1 agreement and perplexity against the stored
-weights) needs the distribution at every position of a held text, not only at the sampled
-one. :func:`prompt_logits` runs the text as one prefill through the engine's model runner, so
-it scores exactly the forward the engine decodes with. The prefill writes its keys and values
-into the pool's first blocks without the block manager, so it runs only on an idle engine and
-afterwards forgets the prefix cache those writes made stale.
+weights) needs the distribution at every position of a text, not only at the sampled one:
+``Engine.prompt_logits`` gives them from the engine's own forward. :data:`HELD_TEXT` is the
+English prose every such judgement scores (``--weights auto``'s choice, ``bench.decode``'s
+rows, ``bench.kvquant``, the tests), and :func:`quality` the figures.
 """
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from runtime.layers.attention import AttentionMetadata, PrefillSpan
+HELD_TEXT = Path(__file__).resolve().parent / "held_text.txt"
+HELD_TOKENS = 256  # what every weight format's figures are quoted over
+MAX_KLD, MIN_TOP1 = 1e-3, 0.98  # the quality a format must keep against the stored (float32) weights
 
-if TYPE_CHECKING:
-    from runtime.engine.engine import Engine
+
+@dataclass(frozen=True, slots=True)
+class Quality:
+    """One set of logits against reference logits over the same tokens."""
+
+    kld_mean: float  # KL(reference || logits) of the next-token distributions, mean over positions
+    top1_agree: float  # share of positions whose argmax agrees
+    ppl_delta_pct: float  # perplexity of the text itself, relative to the reference's
 
 
-@torch.inference_mode()
-def prompt_logits(engine: "Engine", token_ids: list[int]) -> torch.Tensor:
-    """Float32 logits (T, V): row i is the distribution of token i + 1 given tokens 0..i."""
-    stats = engine.stats()
-    if stats.num_running or stats.num_waiting:
-        raise RuntimeError("prompt_logits needs an idle engine: it writes KV outside the block manager")
-    if engine.kv_cache.layout.quantized:
-        raise ValueError("prompt_logits needs KV stored in the model dtype (kv_dtype='auto')")
-    num_tokens = len(token_ids)
-    if num_tokens > engine.pool_capacity_tokens:
-        raise ValueError(f"{num_tokens} tokens do not fit the KV pool ({engine.pool_capacity_tokens} tokens)")
-    device = engine.device
-    positions = torch.arange(num_tokens, device=device)
-    meta = AttentionMetadata(
-        kv_cache=engine.kv_cache,
-        slot_mapping=positions,  # the pool's first slots, in order
-        prefills=[PrefillSpan(0, num_tokens, None, None)],
-        decode=None,
+def held_token_ids(tokenizer: object, num_tokens: int = HELD_TOKENS) -> list[int]:
+    ids = tokenizer.encode(HELD_TEXT.read_text(), add_special_tokens=False)  # type: ignore[attr-defined]
+    return list(ids)[:num_tokens]
+
+
+def quality(reference: torch.Tensor, logits: torch.Tensor, token_ids: list[int]) -> Quality:
+    """``logits`` (T, V) against ``reference`` (T, V), both ``Engine.prompt_logits`` over ``token_ids``."""
+    ref, got = torch.log_softmax(reference, dim=-1), torch.log_softmax(logits, dim=-1)
+    targets = torch.tensor(token_ids[1:], device=ref.device)[:, None]
+    ref_nll = -ref[:-1].gather(1, targets).mean()
+    nll = -got[:-1].gather(1, targets).mean()
+    return Quality(
+        kld_mean=float((ref.exp() * (ref - got)).sum(-1).mean()),
+        top1_agree=float((ref.argmax(-1) == got.argmax(-1)).float().mean()),
+        ppl_delta_pct=float(((nll - ref_nll).exp() - 1) * 100),
     )
-    ids = torch.tensor(token_ids, device=device)
-    with engine._step_lock:
-        logits = engine.runner.forward(ids, positions, meta, positions)  # (T, V)
-    engine.reset_prefix_cache()
-    return logits.float()

@@ -44,7 +44,11 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 
 def supports(model: Any) -> bool:
     """Whether ``model`` is a decoder this forward reproduces exactly."""
-    config = model.config
+    return supports_config(model.config)
+
+
+def supports_config(config: Any) -> bool:
+    """Whether a model with this transformers config is one :func:`supports` accepts."""
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return False
     if getattr(config, "hidden_act", "silu") != "silu":
