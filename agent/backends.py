@@ -1,5 +1,6 @@
 """Opening the backend an ``AgentConfig`` names: the local engine, or an OpenAI-compatible server."""
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +64,15 @@ def open_engine(model: str, **options: Any) -> "tuple[Engine, str]":
 
     from runtime import Engine
 
+    options.setdefault("on_notice", notice_to_stderr)
     return Engine(model=str(path), device="auto", **options), model_name_for(model, path)
+
+
+def notice_to_stderr(line: str) -> None:
+    """The engine's lines worth a user's attention (a weight plan being measured, a decode graph
+    compiling, compiling falling back to eager), where liubai's other notices go. Read from
+    ``sys`` at each call: while the TUI runs, Textual holds stderr and keeps them off the screen."""
+    print(f"liubai: {line}", file=sys.stderr, flush=True)
 
 
 def model_name_for(spec: str, path: Path) -> str:
