@@ -230,6 +230,7 @@ def test_draft_model_errors_are_one_line_exit_1(
     tokenizer.save_pretrained(other)
     capsys.readouterr()  # (saving the model wrote its progress bar)
     common = ["run", "hi", "--model", str(tiny_llama_path), "--db", str(tmp_path / "t.db"), "--kv-disk", "0"]
+    common += ["--weights", "float32"]  # named: measuring --weights auto would add its notices first
 
     assert cli.main([*common, "--kv-pool", "16MiB", "--draft-model", str(tmp_path / "none")]) == 1
     err = capsys.readouterr().err
@@ -291,7 +292,9 @@ def test_run_streams_reply_and_timing(default_model_path: Path, tmp_path: Path) 
         "--max-tokens",
         "6",
         "What is the capital of France?",
-        timeout=300,
+        # The session's first --weights auto on the default model may be this run: it times each
+        # format (and the float formats' GEMM plans, in a fresh test cache) before answering.
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
@@ -302,7 +305,7 @@ def test_run_streams_reply_and_timing(default_model_path: Path, tmp_path: Path) 
 @pytest.mark.model
 def test_run_json(default_model_path: Path, tmp_path: Path) -> None:
     result = liubai(
-        "run", "--db", str(tmp_path / "t.db"), "--json", "--max-tokens", "4", "Say hi", timeout=300
+        "run", "--db", str(tmp_path / "t.db"), "--json", "--max-tokens", "4", "Say hi", timeout=600
     )
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
