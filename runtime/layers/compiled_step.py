@@ -15,7 +15,7 @@ embedding, 30-odd layers, the output head, up to the float32 logits — into one
 - **No guards on the graph's modules.** Dynamo guards every attribute and buffer of the
   modules a frame reads (about 2,700 checks for the default model), and evaluating them before
   each call cost 1.8 ms of a 12 ms int4 step (AMD EPYC). :class:`DecodeGraph` never changes after
-  it is built (its weights are frozen into the graph anyway), so only the guards on the step's
+  it is built (nothing replaces its weights or attributes), so only the guards on the step's
   own tensors — ids, positions, slots, the KV pool — are kept.
 - **Context length dynamic.** The context dimension is marked dynamic, so a growing context
   reuses the bucket's graph. (Padding it to multiples of 64 with static graphs instead costs a
