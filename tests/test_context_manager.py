@@ -58,7 +58,7 @@ class RecordingBackend:
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_path: Path) -> Engine:
-    return Engine(model=str(tiny_llama_path), kv_pool="32MiB", device="cpu")
+    return Engine(model=str(tiny_llama_path), kv_pool="32MiB", device="cpu", dtype="float32")
 
 
 @pytest.fixture

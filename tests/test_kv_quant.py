@@ -217,7 +217,7 @@ def prompts(seed: int, shared: int, suffixes: tuple[int, ...]) -> list[list[int]
 def test_batch_sharing_a_quantized_cached_prefix_equals_each_alone(
     tiny_qwen2_path: Path, options: dict[str, str]
 ) -> None:
-    engine = Engine(tiny_qwen2_path, kv_pool="1MiB", device="cpu", **options)
+    engine = Engine(tiny_qwen2_path, kv_pool="1MiB", device="cpu", dtype="float32", **options)
     batch = prompts(3, 40, (5, 19, 33))  # 2 full shared blocks, then each its own tokens
     params = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -243,10 +243,12 @@ def test_batch_sharing_a_quantized_cached_prefix_equals_each_alone(
 def test_preemption_frees_staging_and_keeps_the_tokens(tiny_qwen2_path: Path, kv_dtype: str) -> None:
     batch = prompts(5, 0, (37, 41, 45))
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    ample = Engine(tiny_qwen2_path, kv_pool="1MiB", device="cpu", kv_dtype=kv_dtype)
+    ample = Engine(tiny_qwen2_path, kv_pool="1MiB", device="cpu", dtype="float32", kv_dtype=kv_dtype)
     expected = [c.token_ids for c in ample.generate(batch, params)]
     bytes_per_block = ample.kv_cache.bytes_per_block
-    tight = Engine(tiny_qwen2_path, kv_pool=12 * bytes_per_block, device="cpu", kv_dtype=kv_dtype)
+    tight = Engine(
+        tiny_qwen2_path, kv_pool=12 * bytes_per_block, device="cpu", dtype="float32", kv_dtype=kv_dtype
+    )
     assert tight.stats().num_blocks_total == 12  # each request needs 6 blocks: not all three fit
     result = tight.generate(batch, params)
     stats = tight.stats()
@@ -259,7 +261,7 @@ def test_preemption_frees_staging_and_keeps_the_tokens(tiny_qwen2_path: Path, kv
 
 
 def test_stats_name_the_storage_dtypes(tiny_llama_path: Path) -> None:
-    auto = Engine(tiny_llama_path, kv_pool="64KiB", device="cpu").stats()
+    auto = Engine(tiny_llama_path, kv_pool="64KiB", device="cpu", dtype="float32").stats()
     assert (auto.k_dtype, auto.v_dtype, auto.kv_staging_bytes) == ("float32", "float32", 0)
     mixed = Engine(tiny_llama_path, kv_pool="64KiB", device="cpu", k_dtype="int8", v_dtype="int4").stats()
     assert (mixed.k_dtype, mixed.v_dtype) == ("int8", "int4")

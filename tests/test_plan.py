@@ -207,7 +207,7 @@ def test_planner_equals_engine(model: str, options: dict[str, str], request: pyt
     from runtime import Engine
 
     path: Path = request.getfixturevalue(model)
-    engine = Engine(model=path, kv_pool="4MiB", device="cpu", **options)
+    engine = Engine(model=path, kv_pool="4MiB", device="cpu", **{"dtype": "float32", **options})
     stats = engine.stats()
     kv_dtype = options.get("kv_dtype", "auto")
     plan = plan_kv(

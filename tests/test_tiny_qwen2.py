@@ -11,7 +11,7 @@ from tests.engine_helpers import hf_greedy
 
 @pytest.fixture(scope="module")
 def qwen2(tiny_qwen2_path: Path) -> Engine:
-    return Engine(tiny_qwen2_path, kv_pool="4MiB", block_size=16, device="cpu")
+    return Engine(tiny_qwen2_path, kv_pool="4MiB", block_size=16, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +93,10 @@ def test_pool_errors_are_clear(tiny_qwen2_path: Path) -> None:
     from runtime import PoolTooSmallError, PromptTooLongError
 
     with pytest.raises(PoolTooSmallError, match="cannot hold one block"):
-        Engine(tiny_qwen2_path, kv_pool="1KiB", device="cpu")
-    small = Engine(tiny_qwen2_path, kv_pool="32KiB", device="cpu")  # 2*2*2*16*4 = 512 B/token
+        Engine(tiny_qwen2_path, kv_pool="1KiB", device="cpu", dtype="float32")
+    small = Engine(
+        tiny_qwen2_path, kv_pool="32KiB", device="cpu", dtype="float32"
+    )  # 2*2*2*16*4 = 512 B/token
     assert small.pool_capacity_tokens == 64
     with pytest.raises(PromptTooLongError, match="KV pool holds 64"):
         small.generate(list(range(3, 100)), SamplingParams(max_tokens=1))
@@ -117,7 +119,12 @@ def test_a_last_prompt_token_computed_alone_is_counted_as_prefilled(
     assert (warm.metrics.num_cached_tokens, warm.metrics.num_prefilled_tokens) == (32, 1)
 
     chunked = Engine(
-        tiny_qwen2_path, kv_pool="4MiB", max_num_batched_tokens=16, enable_prefix_caching=False, device="cpu"
+        tiny_qwen2_path,
+        kv_pool="4MiB",
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+        device="cpu",
+        dtype="float32",
     )
     for n in (17, 33):  # chunks of 16 + 1 and 16 + 16 + 1
         result = chunked.generate(ids[:n], SamplingParams(max_tokens=4, ignore_eos=True))[0]
