@@ -207,13 +207,14 @@ def test_planner_equals_engine(model: str, options: dict[str, str], request: pyt
     from runtime import Engine
 
     path: Path = request.getfixturevalue(model)
-    engine = Engine(model=path, kv_pool="4MiB", device="cpu", **{"dtype": "float32", **options})
+    options = {"dtype": "float32", **options}  # named: --weights auto could pick another dtype
+    engine = Engine(model=path, kv_pool="4MiB", device="cpu", **options)
     stats = engine.stats()
     kv_dtype = options.get("kv_dtype", "auto")
     plan = plan_kv(
         read_shape(path),
         PlanRequest(
-            dtype=options.get("dtype", "float32"),
+            dtype=options["dtype"],
             k_dtype=options.get("k_dtype", kv_dtype),
             v_dtype=options.get("v_dtype", kv_dtype),
             pool_bytes=4 * 1024**2,

@@ -94,9 +94,8 @@ def test_pool_errors_are_clear(tiny_qwen2_path: Path) -> None:
 
     with pytest.raises(PoolTooSmallError, match="cannot hold one block"):
         Engine(tiny_qwen2_path, kv_pool="1KiB", device="cpu", dtype="float32")
-    small = Engine(
-        tiny_qwen2_path, kv_pool="32KiB", device="cpu", dtype="float32"
-    )  # 2*2*2*16*4 = 512 B/token
+    # K and V x 2 layers x 2 KV heads x 16 dims x 4 bytes (float32) = 512 B/token: 64 tokens in 32 KiB
+    small = Engine(tiny_qwen2_path, kv_pool="32KiB", device="cpu", dtype="float32")
     assert small.pool_capacity_tokens == 64
     with pytest.raises(PromptTooLongError, match="KV pool holds 64"):
         small.generate(list(range(3, 100)), SamplingParams(max_tokens=1))
