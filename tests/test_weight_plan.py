@@ -30,6 +30,16 @@ def test_the_choice_is_the_fastest_format_within_the_bounds() -> None:
     assert choose([_row("float32", 30), _row("int4", 25, 3e-4)]) == "float32"
 
 
+def test_a_less_precise_format_must_be_clearly_faster() -> None:
+    """Within 5% the more precise format stays: equal speeds must not be decided by noise."""
+    assert choose([_row("float32", 30), _row("bfloat16", 31)]) == "float32"
+    assert choose([_row("float32", 30), _row("bfloat16", 32)]) == "bfloat16"
+    # Each step is against the current choice: int4 within 5% of int8 keeps int8.
+    assert choose([_row("float32", 30), _row("int8", 60), _row("int4", 62, 3e-4)]) == "int8"
+    assert choose([_row("int4", 62, 3e-4), _row("float32", 30), _row("int8", 60)]) == "int8"  # any order
+    assert choose([_row("float32", 30), _row("int8", 60), _row("int4", 64, 3e-4)]) == "int4"
+
+
 def _plans() -> list[Path]:
     return sorted(plan_dir().glob("*.json"))
 

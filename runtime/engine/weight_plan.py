@@ -6,9 +6,10 @@ how torch's kernels treat them), so it is measured on the machine, once, like th
 quality is scored against float32 weights over :data:`~runtime.engine.scoring.HELD_TOKENS`
 tokens of the held text (``scoring.py``) and whose batch-1 greedy decode is timed (eager, no
 speculation, best of :data:`TIMED_RUNS`). The choice is the fastest format within KLD <= 1e-3
-and top-1 agreement >= 0.98; float32, the reference, always is. Eager, not compiled: compiling
-every format would cost minutes, and the compiled step kept the eager order on the machines
-measured (bench.decode, README).
+and top-1 agreement >= 0.98 (float32, the reference, always is), where a less precise format
+must be at least :data:`MARGIN` (5%) faster than the more precise one it displaces. Eager, not
+compiled: compiling every format would cost minutes, and the compiled step kept the eager order
+on the machines measured (bench.decode, README).
 
 The plan is a JSON file in ``weight-plan/`` under liubai's cache dir (or
 ``$LIUBAI_WEIGHT_PLAN_DIR``), keyed by the model's files, the CPU, torch and the thread count,
@@ -43,7 +44,9 @@ CANDIDATES = ("float32", "bfloat16", "int8", "int4")
 PROMPT_TOKENS = 64  # the timed decode's context (of the held text)
 TIMED_TOKENS = 32  # greedy tokens per timed run
 TIMED_RUNS = 3  # the first warms the engine up; the best of the rest counts
-PLAN_VERSION = 1  # bump when the method changes, so older plans are measured again
+PLAN_VERSION = 1  # bump when the measurement changes, so older plans are measured again
+# How much faster a less precise format must decode to be chosen over a more precise one.
+MARGIN = 0.05
 # Each trial engine's options besides the format: a small pool, no guessing (speed is the
 # format's own), no prefix cache (every timed run prefills; only decode is timed).
 TRIAL_OPTIONS: dict[str, Any] = {
@@ -84,10 +87,22 @@ class WeightPlan:
         )
 
 
-def choose(rows: list[FormatFigures]) -> str:
-    """The fastest format within the quality bounds (float32, the reference, is by definition)."""
+def choose(rows: list[FormatFigures] | tuple[FormatFigures, ...]) -> str:
+    """The fastest format within the quality bounds (float32, the reference, is by definition),
+    where a less precise format must be :data:`MARGIN` faster than the more precise one it displaces.
+
+    Without the margin two formats of equal speed were picked by the timing noise of the moment
+    (bfloat16 or float32 on a tiny model: one fresh clone's run chose each), so a rerun could
+    change the weights, the KV capacity and every figure that depends on them. Formats are taken
+    in :data:`CANDIDATES` order, most precise first.
+    """
     eligible = [row for row in rows if row.within_bounds or row.format == "float32"]
-    return max(eligible, key=lambda row: row.decode_tok_s).format
+    eligible.sort(key=lambda row: CANDIDATES.index(row.format) if row.format in CANDIDATES else len(CANDIDATES))
+    chosen = eligible[0]
+    for row in eligible[1:]:
+        if row.decode_tok_s > chosen.decode_tok_s * (1 + MARGIN):
+            chosen = row
+    return chosen.format
 
 
 def plan_dir() -> Path:
@@ -110,8 +125,9 @@ def weight_plan(
         try:
             data = json.loads(path.read_text())
             stored = tuple(FormatFigures(**row) for row in data["rows"])
-            if data["choice"] in {row.format for row in stored}:
-                return WeightPlan(data["choice"], stored, path)
+            if "float32" in {row.format for row in stored}:
+                # Chosen again from the figures, so a change of rule needs no new measurement.
+                return WeightPlan(choose(stored), stored, path)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("weight plan %s unreadable (%s); measuring again", path, exc)
     on_notice(
