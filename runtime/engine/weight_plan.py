@@ -97,7 +97,8 @@ def choose(rows: list[FormatFigures] | tuple[FormatFigures, ...]) -> str:
     in :data:`CANDIDATES` order, most precise first.
     """
     eligible = [row for row in rows if row.within_bounds or row.format == "float32"]
-    eligible.sort(key=lambda row: CANDIDATES.index(row.format) if row.format in CANDIDATES else len(CANDIDATES))
+    # A kept plan naming a format not in CANDIDATES raises ValueError here: it is measured again.
+    eligible.sort(key=lambda row: CANDIDATES.index(row.format))
     chosen = eligible[0]
     for row in eligible[1:]:
         if row.decode_tok_s > chosen.decode_tok_s * (1 + MARGIN):
