@@ -132,6 +132,39 @@ def test_quantized_weights_are_read_back_from_the_cache(
     assert filed.stat().st_size > 100  # rewritten
 
 
+def test_the_weight_cache_prunes_the_least_recently_used_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past its size limit the cache drops the files used longest ago (a hit renews a file), never
+    the one just written; a temporary file a killed process left goes after an hour."""
+    import os
+
+    from runtime.layers.weight_cache import cached_quantize
+    from runtime.layers.weights import quantize_int8
+
+    monkeypatch.setenv("LIUBAI_WEIGHT_CACHE_DIR", str(tmp_path))
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+
+    def quantize_all() -> list[Any]:
+        return [quantize_int8(weight)]
+
+    for i, key in enumerate(["a", "b", "c"]):
+        cached_quantize(key, 1, quantize_all)
+        os.utime(tmp_path / f"{key}.pt", (1000 + i, 1000 + i))  # a, b, c: oldest first
+    size = (tmp_path / "a.pt").stat().st_size
+    stale = tmp_path / "d.tmp123"
+    stale.write_bytes(b"half a file")
+    os.utime(stale, (1000, 1000))
+    cached_quantize("a", 1, quantize_all)  # a hit: "a" is now the most recently used
+    monkeypatch.setenv("LIUBAI_WEIGHT_CACHE_MAX_MB", str(2.5 * size / (1 << 20)))
+    cached_quantize("e", 1, quantize_all)  # four files of which two and a half fit
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt", "e.pt"]
+
+    monkeypatch.setenv("LIUBAI_WEIGHT_CACHE_MAX_MB", "0")
+    cached_quantize("f", 1, quantize_all)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.pt"]  # the one just written stays
+
+
 def test_weight_bytes_shrink_with_the_format(tiny_llama_path: Path, tiny_float32: Engine) -> None:
     sizes, heads = {}, {}
     for weights in ("bfloat16", "int8", "int4"):

@@ -10,11 +10,17 @@ changed quantizer or another torch can never read a stale file.
 Files live in ``weights/`` under liubai's cache dir (``runtime/paths.py``), or in the directory
 named by ``LIUBAI_WEIGHT_CACHE_DIR``. A file that cannot be read is quantized again and
 rewritten; a cache that cannot be written only means quantizing again next time.
+
+Every new torch, model or quantizer version leaves the old files unreadable by key, so the
+cache is pruned when it grows: after each write, the files used least recently (a hit renews a
+file's time) go until the rest fit in :data:`MAX_CACHE_BYTES` (``LIUBAI_WEIGHT_CACHE_MAX_MB``),
+the file just written always kept; temporary files a killed process left behind go after an hour.
 """
 
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +34,9 @@ log = logging.getLogger(__name__)
 
 # Bump when quantize()'s output for the same weights changes (codes, scales, packing).
 CACHE_VERSION = 1
+# The default model's int4 file is 66 MB and its int8 one about 140 MB: room for a few models.
+MAX_CACHE_BYTES = 2 << 30
+STALE_TMP_SECONDS = 3600
 
 
 def cache_root() -> Path:
@@ -57,6 +66,7 @@ def cached_quantize(
         try:
             stored = [_from_dict(d) for d in torch.load(path, weights_only=True)]
             if len(stored) == count:
+                _touch(path)
                 return stored
         except Exception as exc:  # a truncated or foreign file: quantize again and replace it
             log.warning("quantized weights in %s unreadable (%s); quantizing again", path, exc)
@@ -66,9 +76,49 @@ def cached_quantize(
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save([_to_dict(w) for w in quantized], tmp)
         tmp.replace(path)
+        prune(path.parent, keep=path)
     except OSError as exc:
         log.info("quantized weights not cached (%s)", exc)
     return quantized
+
+
+def max_cache_bytes() -> int:
+    override = os.environ.get("LIUBAI_WEIGHT_CACHE_MAX_MB")
+    return int(float(override) * (1 << 20)) if override else MAX_CACHE_BYTES
+
+
+def prune(root: Path, keep: Path) -> list[Path]:
+    """Remove the least recently used files until the rest fit in :func:`max_cache_bytes`, and
+    stale temporary files; ``keep`` stays whatever its size. Returns what was removed."""
+    now, removed = time.time(), []
+    files = []
+    for entry in root.iterdir():
+        try:
+            stat = entry.stat()
+        except OSError:  # removed by another process meanwhile
+            continue
+        if ".tmp" in entry.suffix and now - stat.st_mtime > STALE_TMP_SECONDS:
+            removed.append(entry)
+        elif entry.suffix == ".pt" and entry != keep:
+            files.append((stat.st_mtime, stat.st_size, entry))
+    total = sum(size for _, size, _ in files) + keep.stat().st_size
+    for _, size, entry in sorted(files, key=lambda f: f[0]):
+        if total <= max_cache_bytes():
+            break
+        removed.append(entry)
+        total -= size
+    for entry in removed:
+        entry.unlink(missing_ok=True)
+        log.info("weight cache: removed %s", entry.name)
+    return removed
+
+
+def _touch(path: Path) -> None:
+    """Mark ``path`` used now, so pruning keeps it longest (a read-only cache is left as it is)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
 
 
 def _to_dict(weight: QuantizedWeight) -> dict[str, Any]:
