@@ -20,6 +20,7 @@ from runtime import Engine, SamplingParams
 from runtime.engine.sequence import Sequence
 from runtime.errors import DraftModelError
 from runtime.speculation.adaptive import DraftLength
+from runtime.speculation.drafter import measured_max_batch
 from runtime.speculation.ngram import NgramDrafter
 from runtime.speculation.verify import verify_greedy, verify_sampled
 from tests.engine_helpers import PROMPTS, chat_ids, hf_greedy
@@ -307,3 +308,35 @@ def test_speculative_sampling_matches_plain_sampling_on_a_tiny_model(
     stat = sum((a - b) ** 2 / (a + b) for a, b in pairs if a + b)
     assert len(common) >= 4, "too few tokens seen often to compare"
     assert stat < chi_square_critical(len(pairs) - 1), (stat, len(pairs))
+
+
+class AlwaysGuesses(FrequentGuesses):
+    """Guesses token 0 at every position: every decoding sequence drafts whenever it may."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+
+    def propose(self, seqs: SequenceOf[Sequence], num_tokens: SequenceOf[int]) -> list[list[int]]:
+        return [[0] * k for k in num_tokens]
+
+
+@pytest.mark.parametrize(("weights", "bound"), [("float32", 4), ("int4", 4), ("int8", None)])
+def test_auto_speculation_guesses_up_to_the_formats_measured_batch(
+    weights: str, bound: int | None, tiny_llama_path: Path
+) -> None:
+    """``speculate="auto"`` is prompt lookup where bench.spec measured it never costing over 5%:
+    up to 4 running requests for an eager step in float32 or int4 (a compiled int4 step, the
+    cheapest one-row step, only up to 2); int8 was not measured and does not guess."""
+    engine = Engine(tiny_llama_path, kv_pool="8MiB", device="cpu", weights=weights)
+    assert engine.speculate == ("off" if bound is None else "ngram")
+    if bound is None:
+        return
+    engine._drafters["ngram"] = AlwaysGuesses()
+    one = SamplingParams(max_tokens=6, ignore_eos=True)
+    for n in (bound, bound + 1):
+        before = engine.stats().spec_num_drafts
+        engine.generate([[5, 6, 7, 8 + i] for i in range(n)], one)
+        assert (engine.stats().spec_num_drafts > before) == (n == bound), n
+    explicit = Engine(tiny_llama_path, kv_pool="8MiB", device="cpu", weights=weights, speculate_max_batch=8)
+    assert explicit.speculate_max_batch == 8
+    assert measured_max_batch(weights, compiled=True) == (2 if weights == "int4" else 4)

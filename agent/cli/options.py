@@ -169,8 +169,8 @@ def add_speculation_options(group: "argparse._ArgumentGroup | argparse.ArgumentP
         choices=SPECULATE_MODES,
         default=None,
         help="speculative decoding: guesses verified in the same step, the same tokens sooner: "
-        "ngram (prompt lookup), draft (a draft model), off, or auto: ngram with float32 or bfloat16 "
-        f"weights, where bench.spec measured it, off otherwise (default: {DEFAULT_SPECULATE}; draft "
+        "ngram (prompt lookup), draft (a draft model), off, or auto: ngram with float32, bfloat16 or "
+        f"int4 weights, where bench.spec measured it, off otherwise (default: {DEFAULT_SPECULATE}; draft "
         "when --draft-model is given)",
     )
     group.add_argument(

@@ -39,7 +39,7 @@ from runtime.layers.weights import ACTIVATION_DTYPE, QUANTIZED_FORMATS, dtype_fo
 from runtime.models.loader import load_model, resolve_device, resolve_model
 from runtime.sizes import format_bytes
 from runtime.speculation.adaptive import DraftLength
-from runtime.speculation.drafter import Drafter
+from runtime.speculation.drafter import Drafter, measured_max_batch
 from runtime.speculation.ngram import NgramDrafter
 from runtime.speculation.verify import verify_greedy, verify_sampled
 
@@ -133,6 +133,11 @@ class Engine:
             and self.config.forward == "auto"
             and supports_lean_forward(self.model)
         )
+        # No guessing while more sequences run than this: the config's, else the measured one.
+        bound = self.config.speculate_max_batch
+        self.speculate_max_batch: int = (
+            bound if bound is not None else measured_max_batch(self.weight_format, self.compile_decode)
+        )
         self.kv_cache = KVCache(
             layout, num_blocks, self.config.block_size, self.device, scratch_block=self.compile_decode
         )
@@ -161,8 +166,7 @@ class Engine:
             # Rows, not sequences: a verification step has one per guess besides its token.
             max_num_rows=max(
                 self.config.max_num_seqs,
-                min(self.config.speculate_max_batch, self.config.max_num_seqs)
-                * (1 + self.config.num_draft_tokens),
+                min(self.speculate_max_batch, self.config.max_num_seqs) * (1 + self.config.num_draft_tokens),
             ),
             on_notice=on_notice or log.info,
         )
@@ -360,7 +364,7 @@ class Engine:
         """
         with self._state_lock:
             running = list(self.scheduler.running)
-        if len(running) > self.config.speculate_max_batch:
+        if len(running) > self.speculate_max_batch:
             return
         wanted: dict[str, tuple[list[Sequence], list[int]]] = {}
         for seq in running:

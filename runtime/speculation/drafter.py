@@ -13,8 +13,18 @@ from runtime.engine.sequence import Sequence
 
 DEFAULT_NUM_DRAFT_TOKENS = 5
 # Above this many running sequences a step reads the weights for enough rows already, and the
-# extra rows of verification cost more than the tokens they win (see bench.spec's batch sweep).
+# extra rows of verification cost more than the tokens they win: bench.spec's batch sweep, per
+# (weight format, compiled step). Eager steps carry enough fixed cost that guessing still paid
+# at batch 8 (bfloat16, float32 on the Intel Xeon; int4 on the AMD EPYC, 1.08-2.92x); the
+# compiled int4 step is the cheapest one-row step, so its extra rows weigh the most (AMD EPYC:
+# 1.13-1.42x at batch 1, 1.02-1.04x at 2, 0.79-0.84x at 4 and 8, two runs).
+SPECULATE_MAX_BATCH = {("int4", True): 2}
 DEFAULT_SPECULATE_MAX_BATCH = 4
+
+
+def measured_max_batch(weight_format: str, compiled: bool) -> int:
+    """The most running sequences that still guess, by default, for this format and step."""
+    return SPECULATE_MAX_BATCH.get((weight_format, compiled), DEFAULT_SPECULATE_MAX_BATCH)
 
 
 class Drafter(Protocol):
