@@ -22,7 +22,9 @@ in every round on the same prompts, and one row each under ``rows``: its ``aggre
 ``sequential_tok_s``, ``speedup``, ``aggregate_vs_hf_padded``, ``ttft_ms_p50`` and its quality
 against float32 weights over the held text (``kld_mean``, ``top1_agree``, as ``bench.decode``).
 ``best_format`` is the row with the highest ``aggregate_tok_s`` within KLD <= 1e-3 and top-1 >=
-0.98 (float32 always is); the top-level liubai figures are that row's. transformers runs in
+0.98 (float32 always is); the top-level liubai figures are that row's. liubai decodes plainly
+(``speculate="off"``) on both sides, as transformers does: this measures batching, and guessing
+is ``bench.spec``'s (it would speed up the one-at-a-time side only). transformers runs in
 ``--dtype`` (``hf_padded_dtype``): its fastest dtype on the machine, bfloat16 on both CPUs here.
 """
 
@@ -160,7 +162,9 @@ def main() -> None:
     model_dir = common.resolve_model_dir(args.model)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     engines = {
-        fmt: common.make_engine(model_dir, "auto", weights=fmt, compile=args.compile, on_notice=common.log)
+        fmt: common.make_engine(
+            model_dir, "auto", weights=fmt, compile=args.compile, speculate="off", on_notice=common.log
+        )
         for fmt in formats
     }
     hf_model = common.load_hf(model_dir, args.dtype)

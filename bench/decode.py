@@ -24,6 +24,8 @@ fastest row within ``kld_mean`` <= 1e-3 and ``top1_agree`` >= 0.98 (float32 alwa
 ``decode_ratio``, ``roofline_fraction`` and ``llamacpp_ratio`` are that row's. Formats named by
 ``--compiled`` get a second row with ``compiled`` true: the same format through liubai's compiled
 decode step (``runtime/layers/compiled_step.py``), its first compile paid in the warm-up.
+Every liubai engine decodes plainly (``speculate="off"``), like every peer: this measures the
+step; what guessing adds on top is ``bench.spec``'s.
 """
 
 import argparse
@@ -205,8 +207,7 @@ def format_rows(
             {
                 "format": fmt,
                 "compiled": bool(engine.compiled),  # False where compiling fell back to eager
-                # The engine's default: prompt lookup with float weights, off with int8/int4.
-                "speculate": engine.speculate,
+                "speculate": engine.speculate,  # "off": plain decoding, like the peers
                 "decode_tok_s": common.rounded(rate),
                 "ttft_ms": round(peers[key].ttft_ms(), 1),
                 "kld_mean": score.kld_mean,
@@ -231,10 +232,11 @@ def main() -> None:
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     if args.dtype not in formats:
         formats.insert(0, args.dtype)  # the legacy liubai_* fields are the --dtype row's
-    engines = {fmt: common.make_engine(model_dir, "auto", weights=fmt, kv_pool="128MiB") for fmt in formats}
+    plain = dict(kv_pool="128MiB", speculate="off")
+    engines = {fmt: common.make_engine(model_dir, "auto", weights=fmt, **plain) for fmt in formats}
     for fmt in [f.strip() for f in args.compiled.split(",") if f.strip() in formats]:
         engines[fmt + COMPILED_SUFFIX] = common.make_engine(
-            model_dir, "auto", weights=fmt, kv_pool="128MiB", compile=True, on_notice=common.log
+            model_dir, "auto", weights=fmt, compile=True, on_notice=common.log, **plain
         )
     completions: dict[str, list[Any]] = {key: [] for key in engines}
 
