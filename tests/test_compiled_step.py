@@ -34,7 +34,7 @@ def compiled(tiny_llama_path: Path, notices: list[str]) -> Engine:
         device="cpu",
         dtype="float32",
         max_num_seqs=8,
-        speculate_max_batch=1,  # one guessing sequence: at most 6 rows, within the bucket of 8
+        speculate_max_batch=1,  # one guessing sequence: verification graphs of (1, Q)
         compile=True,
         on_notice=notices.append,
     )
@@ -53,7 +53,7 @@ def test_graphs_take_the_gemm_plans_forms(compiled: Engine) -> None:
     assert lean is not None
     head = step.graph.head
     shape = (head.weight.shape[0], head.weight.shape[1])
-    assert head.chunks == {b: lean.gemm.forms_for(b).get(shape, LINEAR) for b in step.buckets}
+    assert head.chunks == {b: lean.gemm.forms_for(b).get(shape, LINEAR) for b in step.row_counts}
 
 
 def step_of(engine: Engine) -> CompiledDecodeStep:
@@ -135,8 +135,8 @@ class ReferenceGuesses:
 
 
 def test_verification_steps_run_through_the_compiled_graphs(compiled: Engine) -> None:
-    """A speculating sequence's verification rows go through the bucket graphs already compiled
-    (rows, not sequences, fill a bucket), and the tokens stay generate()'s."""
+    """A speculating sequence's verification rows go through graphs of their own, bucketed by
+    (sequences, query rows), and the tokens stay generate()'s."""
     prompt = prompts(1)[0]
     reference = hf_greedy(compiled, prompt, 40, ignore_eos=True)
     saved = compiled._drafters["ngram"]
@@ -153,6 +153,9 @@ def test_verification_steps_run_through_the_compiled_graphs(compiled: Engine) ->
     assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
     after = step.report()
     assert after.enabled and set(after.compiled_buckets) <= {1, 2, 4, 8}
+    assert after.compiled_verify_shapes, "guesses were verified"
+    assert {s for s, _ in after.compiled_verify_shapes} == {1}
+    assert {q for _, q in after.compiled_verify_shapes} <= set(step.query_buckets)
     # Every step after the prefill ran compiled, verification steps included.
     steps = 40 - 1 - metrics.num_accepted_tokens
     assert after.num_compiled_steps - before.num_compiled_steps == steps

@@ -163,12 +163,11 @@ class Engine:
             self.config.gemm,
             self.weight_format,
             compile_decode=self.compile_decode,
-            # Rows, not sequences: a verification step has one per guess besides its token.
-            max_num_rows=max(
-                self.config.max_num_seqs,
-                min(self.speculate_max_batch, self.config.max_num_seqs) * (1 + self.config.num_draft_tokens),
-            ),
+            max_num_seqs=self.config.max_num_seqs,
             on_notice=on_notice or log.info,
+            # A verification step: a sequence's last token and each of its guesses.
+            max_verify_seqs=min(self.speculate_max_batch, self.config.max_num_seqs),
+            max_query=1 + self.config.num_draft_tokens,
         )
 
         self._ids = itertools.count()

@@ -24,7 +24,7 @@ from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import Sequence
 from runtime.kv.cache import KVCache
 from runtime.layers.attention import METADATA_KWARG, AttentionMetadata, DecodeBatch, PrefillSpan
-from runtime.layers.compiled_step import CompiledDecodeStep
+from runtime.layers.compiled_step import CompiledDecodeStep, StepRows
 from runtime.layers.llama_forward import LlamaFamilyForward, supports
 
 # Chunks longer than this run through ``prefill_forward`` where one is given.
@@ -50,11 +50,14 @@ class ModelRunner:
         gemm: str = "auto",
         weights: str | None = None,
         compile_decode: bool = False,
-        max_num_rows: int = 1,
+        max_num_seqs: int = 1,
         on_notice: Callable[[str], None] | None = None,
+        max_verify_seqs: int = 0,
+        max_query: int = 1,
     ) -> None:
         """``compile_decode``: run pure-decode steps through compiled graphs (the engine checked
-        that the lean forward applies and that ``kv_cache`` has a scratch slot)."""
+        that the lean forward applies and that ``kv_cache`` has a scratch slot), and
+        verification steps of up to ``max_verify_seqs`` sequences of ``max_query`` tokens."""
         self.model = model
         # The lean forward where it reproduces the model exactly; transformers' own otherwise.
         # ``weights`` (a weight format) is the lean forward's; the engine has checked it applies.
@@ -71,7 +74,9 @@ class ModelRunner:
         self._block_offsets = torch.arange(self.block_size, device=device)
         self.compiled_step: CompiledDecodeStep | None = None
         if compile_decode and self.lean_forward is not None:
-            self.compiled_step = CompiledDecodeStep(self.lean_forward, kv_cache, max_num_rows, on_notice)
+            self.compiled_step = CompiledDecodeStep(
+                self.lean_forward, kv_cache, max_num_seqs, on_notice, max_verify_seqs, max_query
+            )
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -138,31 +143,34 @@ class ModelRunner:
     def _execute_compiled(self, step: CompiledDecodeStep, batch: ScheduledBatch) -> StepOutput | None:
         """A decode batch through its bucket's graph; None for any other step (or no graph).
 
-        A sequence carrying guesses becomes one row per token it computes (its last verified
-        token, then each guess), each row attending to the context up to its own position: the
-        graph writes every row's K/V before any row reads, so a guess sees the ones before it,
-        exactly as the eager verification's causal span does.
+        A sequence carrying guesses becomes one query row per token it computes (its last
+        verified token, then each guess) over its one context, each row masked to its own
+        position: the graph writes every row's K/V before any row reads, so a guess sees the
+        ones before it, exactly as the eager verification's causal span does.
         """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        contexts: list[torch.Tensor] = []
-        num_rows: list[int] = []
+        rows: list[StepRows] = []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             if num_new != 1 + len(seq.draft_token_ids) or start == 0 or start + 1 != len(seq):
                 return None
-            input_ids.extend(seq.scheduled_tokens(start, start + num_new))
-            positions.extend(range(start, start + num_new))
-            slots.extend(self._slots(seq, start, start + num_new))
-            contexts.extend(self._context_slots(seq, end) for end in range(start + 1, start + num_new + 1))
-            num_rows.append(num_new)
-        if step.bucket_for(len(input_ids)) is None:
+            end = start + num_new
+            rows.append(
+                StepRows(
+                    seq.scheduled_tokens(start, end),
+                    list(range(start, end)),
+                    self._slots(seq, start, end),
+                    self._context_slots(seq, end),
+                )
+            )
+        if step.bucket_for(len(rows), max(len(r.input_ids) for r in rows)) is None:
             return None
-        logits = step(step.pad(input_ids, positions, slots, contexts))  # (bucket, V) float32
+        inputs = step.pad(rows)
+        logits = step(inputs)  # (S*Q, V) float32
         if logits is None:
             return None
-        return StepOutput(list(batch.seqs), logits[: len(input_ids)], num_rows)
+        num_rows = [len(r.input_ids) for r in rows]
+        real = logits[: len(inputs.rows)] if inputs.rows[-1] == len(inputs.rows) - 1 else logits[inputs.rows]
+        return StepOutput(list(batch.seqs), real, num_rows)
 
     @torch.inference_mode()
     def forward(

@@ -12,6 +12,11 @@ embedding, 30-odd layers, the output head, up to the float32 logits — into one
   graph of the smallest bucket (1, 2, 4, 8, ...) that holds it, one graph each, compiled the first
   time its bucket is used. Padded rows write their K/V to the pool's scratch slot, which no
   sequence owns (``KVCache.scratch_slot``), and attend only to it.
+- **Verification by (sequences, query length).** A speculating sequence computes its last
+  token and its guesses in one step: Q query rows over one context. Its graph is bucketed by
+  both (sequences S, queries per sequence Q), and gathers each sequence's context once for its
+  Q rows. Gathering it per row, as a decode batch of S*Q rows would, read Q times the KV:
+  at a 1,600-token context that outweighed the int4 weights of a verification step.
 - **No guards on the graph's modules.** Dynamo guards every attribute and buffer of the
   modules a frame reads (about 2,700 checks for the default model), and evaluating them before
   each call cost 1.8 ms of a 12 ms int4 step (AMD EPYC). :class:`DecodeGraph` never changes after
@@ -57,6 +62,12 @@ def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
     while buckets[-1] < max_num_seqs:
         buckets.append(buckets[-1] * 2)
     return tuple(buckets)
+
+
+def query_buckets(max_query: int) -> tuple[int, ...]:
+    """Powers of two below ``max_query``, then ``max_query`` itself: a sequence verifying its
+    most guesses (the usual case after a hit) pads no row."""
+    return tuple(b for b in batch_buckets(max_query) if b < max_query) + (max_query,)
 
 
 class PackedLinear(torch.nn.Module):
@@ -168,16 +179,17 @@ class DecodeGraph(torch.nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,  # (B,)
+        input_ids: torch.Tensor,  # (B,) = (S*Q,): each sequence's Q query rows in turn
         positions: torch.Tensor,  # (B,)
         slot_mapping: torch.Tensor,  # (B,) where each token's K/V goes
-        context_slots: torch.Tensor,  # (B, L) each row's context, its own token included
-        context_mask: torch.Tensor,  # (B, L) bool, True where the row attends
+        context_slots: torch.Tensor,  # (S, L) each sequence's context, all its query tokens included
+        context_mask: torch.Tensor,  # (S, Q, L) bool, True where a query row attends
         key_pool: list[torch.Tensor],  # per layer (KVH, slots, D)
         value_pool: list[torch.Tensor],
     ) -> torch.Tensor:
         """Logits (B, V) float32 for each row's next token."""
-        batch, length = context_slots.shape
+        batch = input_ids.shape[0]
+        num_seqs, query, length = context_mask.shape
         rms_norm, rotate = LlamaFamilyForward._rms_norm, LlamaFamilyForward._rotate
         h = F.embedding(input_ids, self.embed_weight).to(self.residual_dtype)  # (B, hidden)
         cos, sin = self.rotary(h[None].to(self.activation_dtype), positions[None])  # (1, B, D) each
@@ -185,8 +197,12 @@ class DecodeGraph(torch.nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         groups = self.num_heads // self.num_kv_heads
-        flat_slots = context_slots.reshape(-1)  # (B*L,)
-        mask = context_mask[:, None, None, :]  # (B, 1, 1, L)
+        flat_slots = context_slots.reshape(-1)  # (S*L,)
+        if query == 1:
+            mask = context_mask[:, :, None, :]  # (S, 1, 1, L): the same for every query head
+        else:  # (S, 1, Q*groups, L): query row j's mask for each of its heads
+            mask = context_mask[:, :, None, :].expand(num_seqs, query, groups, length)
+            mask = mask.reshape(num_seqs, 1, query * groups, length)
         for i, layer in enumerate(cast(list[DecodeLayer], self.layers)):
             x = rms_norm(h, layer.input_norm_weight, layer.input_norm_eps)
             q, k, v = layer.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -196,15 +212,17 @@ class DecodeGraph(torch.nn.Module):
             keys, values = key_pool[i], value_pool[i]
             keys.index_copy_(1, slot_mapping, k.transpose(0, 1).to(keys.dtype))
             values.index_copy_(1, slot_mapping, v.transpose(0, 1).to(values.dtype))
-            # (KVH, B*L, D) -> (B, KVH, L, D)
-            ck = keys.index_select(1, flat_slots).view(self.num_kv_heads, batch, length, self.head_dim)
-            cv = values.index_select(1, flat_slots).view(self.num_kv_heads, batch, length, self.head_dim)
-            # The query heads that share a KV head fold into the query axis, as in the eager
-            # decode (runtime/layers/attention.py): no repeated keys, the mask per sequence.
-            q = q.to(ck.dtype).reshape(batch, self.num_kv_heads, groups, self.head_dim)
+            # (KVH, S*L, D) -> (KVH, S, L, D)
+            ck = keys.index_select(1, flat_slots).view(self.num_kv_heads, num_seqs, length, self.head_dim)
+            cv = values.index_select(1, flat_slots).view(self.num_kv_heads, num_seqs, length, self.head_dim)
+            # The query heads that share a KV head, and a sequence's query rows, fold into the
+            # query axis, as in the eager decode (runtime/layers/attention.py): no repeated keys.
+            q = q.to(ck.dtype).view(num_seqs, query, self.num_kv_heads, groups, self.head_dim)
+            q = q.transpose(1, 2).reshape(num_seqs, self.num_kv_heads, query * groups, self.head_dim)
             o = F.scaled_dot_product_attention(
                 q, ck.transpose(0, 1), cv.transpose(0, 1), attn_mask=mask, scale=self.scaling
-            )  # (B, KVH, groups, D)
+            )  # (S, KVH, Q*groups, D)
+            o = o.reshape(num_seqs, self.num_kv_heads, query, groups, self.head_dim).transpose(1, 2)
             h = h + layer.o(o.reshape(batch, q_size).to(self.activation_dtype))
             x = rms_norm(h, layer.post_norm_weight, layer.post_norm_eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)  # (B, I) each
@@ -214,14 +232,25 @@ class DecodeGraph(torch.nn.Module):
 
 
 @dataclass(slots=True)
-class DecodeInputs:
-    """One pure-decode step's tensors, already padded to its bucket."""
+class StepRows:
+    """One sequence's rows in a compiled step: its last token, then any guesses."""
 
-    input_ids: torch.Tensor  # (bucket,)
-    positions: torch.Tensor  # (bucket,)
-    slot_mapping: torch.Tensor  # (bucket,)
-    context_slots: torch.Tensor  # (bucket, L)
-    context_mask: torch.Tensor  # (bucket, L) bool
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    context: torch.Tensor  # (L,) slots of its context, all of this step's tokens included
+
+
+@dataclass(slots=True)
+class DecodeInputs:
+    """One decode or verification step's tensors, padded to its (S, Q) shape."""
+
+    input_ids: torch.Tensor  # (S*Q,)
+    positions: torch.Tensor  # (S*Q,)
+    slot_mapping: torch.Tensor  # (S*Q,)
+    context_slots: torch.Tensor  # (S, L)
+    context_mask: torch.Tensor  # (S, Q, L) bool
+    rows: list[int]  # where each real row sits among the S*Q
 
 
 @dataclass(slots=True)
@@ -229,10 +258,11 @@ class CompileReport:
     """What the compiled step has done so far, for the engine's stats."""
 
     enabled: bool  # still compiling/using graphs (False once a compile failed)
-    compiled_buckets: tuple[int, ...] = ()
+    compiled_buckets: tuple[int, ...] = ()  # decode graphs' batch buckets
+    compiled_verify_shapes: tuple[tuple[int, int], ...] = ()  # verification graphs' (S, Q)
     num_compilations: int = 0  # graphs inductor built, recompiles included
     num_compiled_steps: int = 0
-    compile_seconds: dict[int, float] = field(default_factory=dict)
+    compile_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # by (S, Q)
     notice: str | None = None  # why compilation turned itself off, if it did
 
 
@@ -256,8 +286,11 @@ def _fresh_function(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class CompiledDecodeStep:
-    """Graphs of :class:`DecodeGraph` per batch bucket, compiled lazily, with an eager fallback.
+    """Graphs of :class:`DecodeGraph` per (sequences, queries per sequence) bucket, compiled
+    lazily, with an eager fallback.
 
+    Decode steps have one query per sequence, batched up to ``max_num_seqs``; verification steps
+    up to ``max_query`` (a sequence's token and its guesses) for at most ``max_verify_seqs``.
     ``on_notice`` hears each line worth a user's attention: a bucket's first compile starting
     (it takes a while) and finishing, and the one notice if compiling fails, after which every
     step runs eager.
@@ -269,15 +302,22 @@ class CompiledDecodeStep:
         kv_cache: KVCache,
         max_num_seqs: int,
         on_notice: Callable[[str], None] | None = None,
+        max_verify_seqs: int = 0,
+        max_query: int = 1,
     ) -> None:
         if kv_cache.scratch_slot is None:
             raise ValueError("a compiled decode step needs a KV pool with a scratch slot")
         self.kv_cache = kv_cache
         self.scratch_slot = kv_cache.scratch_slot
         self.buckets = batch_buckets(max_num_seqs)
-        self.graph = DecodeGraph(lean, self.buckets).eval()
+        self.verify_buckets = batch_buckets(max_verify_seqs) if max_verify_seqs > 0 and max_query > 1 else ()
+        self.query_buckets = query_buckets(max_query) if self.verify_buckets else (1,)
+        # Every graph's number of rows: each gets the GEMM plan's forms for that many.
+        rows = set(self.buckets) | {s * q for s in self.verify_buckets for q in self.query_buckets}
+        self.row_counts = tuple(sorted(rows))
+        self.graph = DecodeGraph(lean, self.row_counts).eval()
         self.on_notice = on_notice
-        self._compiled: dict[int, Callable[..., torch.Tensor]] = {}
+        self._compiled: dict[tuple[int, int], Callable[..., torch.Tensor]] = {}
         self._inductor_options: dict[str, Any] | None = None  # configured at the first compile
         self._report = CompileReport(enabled=True)
 
@@ -285,7 +325,8 @@ class CompiledDecodeStep:
         r = self._report
         return CompileReport(
             r.enabled,
-            tuple(sorted(self._compiled)),
+            tuple(sorted(s for s, q in self._compiled if q == 1)),
+            tuple(sorted(shape for shape in self._compiled if shape[1] > 1)),
             r.num_compilations,
             r.num_compiled_steps,
             dict(r.compile_seconds),
@@ -300,32 +341,64 @@ class CompiledDecodeStep:
     def num_compilations(self) -> int:
         return self._report.num_compilations
 
-    def bucket_for(self, batch: int) -> int | None:
-        return next((b for b in self.buckets if b >= batch), None)
+    def bucket_for(self, num_seqs: int, query: int = 1) -> tuple[int, int] | None:
+        """The (S, Q) graph shape that holds ``num_seqs`` sequences of up to ``query`` rows each."""
+        seqs: tuple[int, ...]
+        queries: tuple[int, ...]
+        if query == 1:
+            seqs, queries = self.buckets, (1,)
+        else:
+            seqs, queries = self.verify_buckets, self.query_buckets
+        s = next((b for b in seqs if b >= num_seqs), None)
+        q = next((b for b in queries if b >= query), None)
+        return None if s is None or q is None else (s, q)
 
-    def pad(
-        self, input_ids: list[int], positions: list[int], slots: list[int], contexts: list[torch.Tensor]
-    ) -> DecodeInputs:
-        """The step's rows padded to their bucket (the caller checked there is one)."""
-        batch = len(input_ids)
-        bucket = self.bucket_for(batch)
-        assert bucket is not None, f"no bucket holds a batch of {batch}"
-        extra = bucket - batch
+    def pad(self, seqs: list[StepRows]) -> DecodeInputs:
+        """The step's sequences padded to their (S, Q) bucket (the caller checked there is one).
+
+        Padded rows, of a real sequence or of a padded one, write their K/V to the scratch slot
+        and attend to their context's first slot only: finite values, never read back.
+        """
+        shape = self.bucket_for(len(seqs), max(len(r.input_ids) for r in seqs))
+        assert shape is not None, f"no bucket holds {len(seqs)} sequences"
+        num_seqs, query = shape
         scratch = self.scratch_slot
-        device = contexts[0].device
-        lengths = torch.tensor([c.shape[0] for c in contexts] + [1] * extra, device=device)
-        rows = contexts + [torch.full((1,), scratch, dtype=torch.long, device=device)] * extra
-        # Past each row's length the scratch slot pads: finite storage the mask keeps out.
-        context_slots = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=scratch)
+        device = seqs[0].context.device
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        lengths: list[list[int]] = []
+        rows: list[int] = []
+        for i, r in enumerate(seqs):
+            n = len(r.input_ids)
+            extra = query - n
+            rows.extend(range(i * query, i * query + n))
+            input_ids += r.input_ids + [0] * extra
+            positions += r.positions + [0] * extra
+            slots += r.slots + [scratch] * extra
+            base = r.context.shape[0] - n  # the context before this step's first token
+            lengths.append([base + j + 1 for j in range(n)] + [1] * extra)
+        extra_seqs = num_seqs - len(seqs)
+        input_ids += [0] * (query * extra_seqs)
+        positions += [0] * (query * extra_seqs)
+        slots += [scratch] * (query * extra_seqs)
+        lengths += [[1] * query] * extra_seqs
+        padding = torch.full((1,), scratch, dtype=torch.long, device=device)
+        contexts = [r.context for r in seqs] + [padding] * extra_seqs
+        # Past each sequence's length the scratch slot pads: finite storage the mask keeps out.
+        context_slots = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True, padding_value=scratch)
         if context_slots.shape[1] < 2:  # a dynamic dimension must not specialise on 1
             context_slots = F.pad(context_slots, (0, 1), value=scratch)
-        mask = torch.arange(context_slots.shape[1], device=device)[None, :] < lengths[:, None]  # (bucket, L)
+        ends = torch.tensor(lengths, device=device)  # (S, Q)
+        positions_l = torch.arange(context_slots.shape[1], device=device)
+        mask = positions_l[None, None, :] < ends[:, :, None]  # (S, Q, L)
         return DecodeInputs(
-            input_ids=torch.tensor(input_ids + [0] * extra, device=device),
-            positions=torch.tensor(positions + [0] * extra, device=device),
-            slot_mapping=torch.tensor(slots + [scratch] * extra, device=device),
+            input_ids=torch.tensor(input_ids, device=device),
+            positions=torch.tensor(positions, device=device),
+            slot_mapping=torch.tensor(slots, device=device),
             context_slots=context_slots,
             context_mask=mask,
+            rows=rows,
         )
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
@@ -345,7 +418,8 @@ class CompiledDecodeStep:
         """
         if not self._report.enabled:
             return None
-        bucket = inputs.input_ids.shape[0]
+        num_seqs, query, _ = inputs.context_mask.shape
+        bucket = (num_seqs, query)
         fn = self._compiled.get(bucket)
         first = fn is None
         if fn is None:
@@ -358,9 +432,9 @@ class CompiledDecodeStep:
                 fullgraph=True,
                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
             )
-            self._notice(f"compiling the decode step for {bucket} rows (once; cached on disk after)")
+            self._notice(f"compiling the {_step_name(num_seqs, query)} (once; cached on disk after)")
         torch._dynamo.mark_dynamic(inputs.context_slots, 1, min=2, max=MAX_CONTEXT)
-        torch._dynamo.mark_dynamic(inputs.context_mask, 1, min=2, max=MAX_CONTEXT)
+        torch._dynamo.mark_dynamic(inputs.context_mask, 2, min=2, max=MAX_CONTEXT)
         args = (
             self.graph, inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.context_slots,
             inputs.context_mask, self.kv_cache.key_store.cache, self.kv_cache.value_store.cache,  # type: ignore[union-attr]
@@ -378,12 +452,18 @@ class CompiledDecodeStep:
             seconds = time.perf_counter() - start
             self._compiled[bucket] = fn
             self._report.compile_seconds[bucket] = seconds
-            self._notice(f"compiled the decode step for batch {bucket} in {seconds:.1f} s")
+            self._notice(f"compiled the {_step_name(num_seqs, query)} in {seconds:.1f} s")
         return logits
 
     def _notice(self, line: str) -> None:
         if self.on_notice is not None:
             self.on_notice(line)
+
+
+def _step_name(num_seqs: int, query: int) -> str:
+    if query == 1:
+        return f"decode step for batch {num_seqs}"
+    return f"verification step for {num_seqs} sequence{'s' if num_seqs > 1 else ''} of {query} tokens"
 
 
 def _run_graph(graph: DecodeGraph, *tensors: Any) -> torch.Tensor:
