@@ -15,10 +15,11 @@ DEFAULT_NUM_DRAFT_TOKENS = 5
 # Above this many running sequences a step reads the weights for enough rows already, and the
 # extra rows of verification cost more than the tokens they win: bench.spec's batch sweep, per
 # (weight format, compiled step). Eager steps carry enough fixed cost that guessing still paid
-# at batch 8 (bfloat16, float32 on the Intel Xeon; int4 on the AMD EPYC, 1.08-2.92x); the
-# compiled int4 step is the cheapest one-row step, so its extra rows weigh the most (AMD EPYC:
-# 1.13-1.42x at batch 1, 1.02-1.04x at 2, 0.79-0.84x at 4 and 8, two runs).
-SPECULATE_MAX_BATCH = {("int4", True): 2}
+# at batch 8 (bfloat16, float32 on the Intel Xeon; int4 on the AMD EPYC, 1.08-2.92x). The
+# compiled int4 step, the cheapest one-row step, read 0.79-0.84x at 4 and 8 while its
+# verification rows each gathered the whole context, and 1.15-2.05x at 1-8 once they shared one
+# gather (AMD EPYC, 81ee579): no (format, compiled) pair needs a bound of its own today.
+SPECULATE_MAX_BATCH: dict[tuple[str, bool], int] = {}
 DEFAULT_SPECULATE_MAX_BATCH = 4
 
 
