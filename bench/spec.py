@@ -42,9 +42,9 @@ at batch 1, 2, 4 and 8, ``ngram`` against ``off``, on an engine whose ``speculat
 largest batch so that guessing happens at every size. A batch's rate is its decode throughput:
 the generated tokens after each request's first over the time from the first request's first
 token to the last request's last token. ``default_on``: the least ngram speedup over the rows
-and the sweep, at every batch and up to the engine's bound for ``--format`` and
-``--compile`` (``runtime/speculation/drafter.py``'s ``measured_max_batch``), each against the 5% the default
-may cost, and the largest swept batch within it.
+and the sweep, at every batch and up to the engine's default bound (``DEFAULT_SPECULATE_MAX_BATCH``
+in ``runtime/speculation/drafter.py``), each against the 5% the default may cost, and the
+largest swept batch within it.
 """
 
 import argparse
@@ -542,13 +542,10 @@ def judge(
     rows: list[dict[str, Any]],
     float32_equal: bool | None,
     sweep_rows: list[dict[str, Any]],
-    fmt: str,
-    compiled: bool,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Each target's value and verdict, and what the numbers say about speculation by default:
-    at every batch, and up to the engine's bound for ``fmt`` and ``compiled`` (its
-    ``speculate_max_batch``)."""
-    from runtime.speculation.drafter import measured_max_batch
+    at every batch, and up to the engine's default ``speculate_max_batch``."""
+    from runtime.speculation.drafter import DEFAULT_SPECULATE_MAX_BATCH
 
     by = {(r["drafter"], r["workload"]): r for r in rows}
     targets: dict[str, Any] = {
@@ -593,7 +590,7 @@ def judge(
             "never_costs_more_than_5pct": least is not None and least >= MAX_COST,
         }
         if drafter == "ngram" and sweep_rows:
-            bound = measured_max_batch(fmt, compiled)
+            bound = DEFAULT_SPECULATE_MAX_BATCH
             bounded = [r["speedup"] for r in rows if r["drafter"] == drafter and r["speedup"] is not None]
             bounded += [s["speedup"] for s in sweep_rows if s["speedup"] is not None and s["batch"] <= bound]
             least = min(bounded, default=None)
@@ -711,7 +708,7 @@ def main() -> None:
 
     for row in rows:
         del row["_divergence"]
-    targets, default_on = judge(rows, float32_equal, sweep_rows, args.format, args.compile)
+    targets, default_on = judge(rows, float32_equal, sweep_rows)
     print_table(rows, float32_rows, sweep_rows)
     result: dict[str, Any] = {
         "rows": rows,

@@ -20,7 +20,6 @@ from runtime import Engine, SamplingParams
 from runtime.engine.sequence import Sequence
 from runtime.errors import DraftModelError
 from runtime.speculation.adaptive import DraftLength
-from runtime.speculation.drafter import measured_max_batch
 from runtime.speculation.ngram import NgramDrafter
 from runtime.speculation.verify import verify_greedy, verify_sampled
 from tests.engine_helpers import PROMPTS, chat_ids, hf_greedy
@@ -338,5 +337,6 @@ def test_auto_speculation_guesses_up_to_the_formats_measured_batch(
         engine.generate([[5, 6, 7, 8 + i] for i in range(n)], one)
         assert (engine.stats().spec_num_drafts > before) == (n == bound), n
     explicit = Engine(tiny_llama_path, kv_pool="8MiB", device="cpu", weights=weights, speculate_max_batch=8)
-    assert explicit.speculate_max_batch == 8
-    assert measured_max_batch(weights, compiled=True) == 4
+    assert explicit.config.speculate_max_batch == 8
+    compiled = Engine(tiny_llama_path, kv_pool="8MiB", device="cpu", weights=weights, compile=True)
+    assert compiled.config.speculate_max_batch == 4

@@ -10,16 +10,16 @@ from runtime.engine.scheduler import SchedulerConfig
 from runtime.kv.quant import KV_DTYPES
 from runtime.layers.weights import QUANTIZED_FORMATS, check_weight_format
 from runtime.sizes import parse_size
-from runtime.speculation.drafter import DEFAULT_NUM_DRAFT_TOKENS
+from runtime.speculation.drafter import DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_SPECULATE_MAX_BATCH
 
 DEFAULT_CPU_POOL_BYTES = 1024**3  # 1 GiB: ~23k tokens of SmolLM2 KV in fp32
 CPU_POOL_SHARE = 0.2  # never more than this share of the memory available at start
 CUDA_POOL_SHARE = 0.5  # of the GPU memory free after the weights are loaded
 # "auto": prompt lookup for the weight formats bench.spec measured it in without it ever costing
-# more than 5% up to their SPECULATE_MAX_BATCH (Intel Xeon, 1 thread: bfloat16 1.4-3.3x on its
+# more than 5% up to speculate_max_batch (Intel Xeon, 1 thread: bfloat16 1.4-3.3x on its
 # four workloads and 1.45x still at batch 8; float32 1.29-2.27x, 1.48-2.0x at batches 1-8; AMD
-# EPYC, 2 threads, int4 compiled, two runs: 0.95-1.67x, 1.02-1.04x at batch 2, 0.79-0.84x past
-# it); off for int8 (not measured).
+# EPYC, 2 threads, int4 compiled: 1.23-2.23x, 1.15-2.05x at batches 1-8); off for int8 (not
+# measured).
 ENGINE_SPECULATE_MODES = ("auto", *SPECULATE_MODES)
 SPECULATE_AUTO_FORMATS = ("float32", "bfloat16", "int4")
 DEFAULT_SPECULATE = "auto"
@@ -61,7 +61,7 @@ class EngineConfig:
     # speculate_max_batch: no guessing while more sequences run than this (runtime/speculation/).
     speculate: str = DEFAULT_SPECULATE
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
-    speculate_max_batch: int | None = None  # None: the weight format's SPECULATE_MAX_BATCH
+    speculate_max_batch: int = DEFAULT_SPECULATE_MAX_BATCH
     draft_model: str | Path | None = None
     draft_weights: str = "int4"
     # The prefix cache's disk tier: most bytes of block files, e.g. "4GiB"; 0 (the default for an
@@ -101,7 +101,7 @@ class EngineConfig:
             raise ValueError(
                 f"num_draft_tokens must be between 1 and {MAX_NUM_DRAFT_TOKENS}, got {self.num_draft_tokens}"
             )
-        if self.speculate_max_batch is not None and self.speculate_max_batch < 0:
+        if self.speculate_max_batch < 0:
             raise ValueError(f"speculate_max_batch must be >= 0, got {self.speculate_max_batch}")
         check_weight_format(self.draft_weights, "auto")
         self.scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)

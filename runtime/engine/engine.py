@@ -39,7 +39,7 @@ from runtime.layers.weights import ACTIVATION_DTYPE, QUANTIZED_FORMATS, dtype_fo
 from runtime.models.loader import load_model, resolve_device, resolve_model
 from runtime.sizes import format_bytes
 from runtime.speculation.adaptive import DraftLength
-from runtime.speculation.drafter import Drafter, measured_max_batch
+from runtime.speculation.drafter import Drafter
 from runtime.speculation.ngram import NgramDrafter
 from runtime.speculation.verify import verify_greedy, verify_sampled
 
@@ -133,11 +133,6 @@ class Engine:
             and self.config.forward == "auto"
             and supports_lean_forward(self.model)
         )
-        # No guessing while more sequences run than this: the config's, else the measured one.
-        bound = self.config.speculate_max_batch
-        self.speculate_max_batch: int = (
-            bound if bound is not None else measured_max_batch(self.weight_format, self.compile_decode)
-        )
         self.kv_cache = KVCache(
             layout, num_blocks, self.config.block_size, self.device, scratch_block=self.compile_decode
         )
@@ -166,7 +161,7 @@ class Engine:
             max_num_seqs=self.config.max_num_seqs,
             on_notice=on_notice or log.info,
             # A verification step: a sequence's last token and each of its guesses.
-            max_verify_seqs=min(self.speculate_max_batch, self.config.max_num_seqs),
+            max_verify_seqs=min(self.config.speculate_max_batch, self.config.max_num_seqs),
             max_query=1 + self.config.num_draft_tokens,
         )
 
@@ -363,7 +358,7 @@ class Engine:
         """
         with self._state_lock:
             running = list(self.scheduler.running)
-        if len(running) > self.speculate_max_batch:
+        if len(running) > self.config.speculate_max_batch:
             return
         wanted: dict[str, tuple[list[Sequence], list[int]]] = {}
         for seq in running:

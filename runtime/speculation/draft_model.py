@@ -41,7 +41,7 @@ class DraftModelDrafter:
                 device=config.device,
                 kv_pool=DRAFT_KV_POOL,
                 block_size=DRAFT_BLOCK_SIZE,
-                max_num_seqs=max(1, target.speculate_max_batch),
+                max_num_seqs=max(1, config.speculate_max_batch),
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=target.max_model_len,
                 gemm=config.gemm,

@@ -13,19 +13,11 @@ from runtime.engine.sequence import Sequence
 
 DEFAULT_NUM_DRAFT_TOKENS = 5
 # Above this many running sequences a step reads the weights for enough rows already, and the
-# extra rows of verification cost more than the tokens they win: bench.spec's batch sweep, per
-# (weight format, compiled step). Eager steps carry enough fixed cost that guessing still paid
-# at batch 8 (bfloat16, float32 on the Intel Xeon; int4 on the AMD EPYC, 1.08-2.92x). The
-# compiled int4 step, the cheapest one-row step, read 0.79-0.84x at 4 and 8 while its
-# verification rows each gathered the whole context, and 1.15-2.05x at 1-8 once they shared one
-# gather (AMD EPYC, 81ee579): no (format, compiled) pair needs a bound of its own today.
-SPECULATE_MAX_BATCH: dict[tuple[str, bool], int] = {}
+# extra rows of verification cost more than the tokens they win (see bench.spec's batch sweep).
+# Every format and step swept gains up to 8: bfloat16 and float32 eager on the Intel Xeon, int4
+# eager and compiled on the AMD EPYC (compiled 1.15-2.05x at 1-8 since its verification rows
+# share one context gather, 81ee579; 0.79-0.84x at 4 and 8 before).
 DEFAULT_SPECULATE_MAX_BATCH = 4
-
-
-def measured_max_batch(weight_format: str, compiled: bool) -> int:
-    """The most running sequences that still guess, by default, for this format and step."""
-    return SPECULATE_MAX_BATCH.get((weight_format, compiled), DEFAULT_SPECULATE_MAX_BATCH)
 
 
 class Drafter(Protocol):
