@@ -162,15 +162,13 @@ class ModelRunner:
                     self._context_slots(seq, end),
                 )
             )
-        if step.bucket_for(len(rows), max(len(r.input_ids) for r in rows)) is None:
-            return None
         inputs = step.pad(rows)
+        if inputs is None:
+            return None
         logits = step(inputs)  # (S*Q, V) float32
         if logits is None:
             return None
-        num_rows = [len(r.input_ids) for r in rows]
-        real = logits[: len(inputs.rows)] if inputs.rows[-1] == len(inputs.rows) - 1 else logits[inputs.rows]
-        return StepOutput(list(batch.seqs), real, num_rows)
+        return StepOutput(list(batch.seqs), inputs.real_rows(logits), [len(r.input_ids) for r in rows])
 
     @torch.inference_mode()
     def forward(

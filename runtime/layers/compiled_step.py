@@ -252,6 +252,11 @@ class DecodeInputs:
     context_mask: torch.Tensor  # (S, Q, L) bool
     rows: list[int]  # where each real row sits among the S*Q
 
+    def real_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """The real rows of the graph's (S*Q, V) logits, in the sequences' order."""
+        n = len(self.rows)
+        return logits[:n] if self.rows[-1] == n - 1 else logits[self.rows]  # a slice where none pads
+
 
 @dataclass(slots=True)
 class CompileReport:
@@ -353,14 +358,15 @@ class CompiledDecodeStep:
         q = next((b for b in queries if b >= query), None)
         return None if s is None or q is None else (s, q)
 
-    def pad(self, seqs: list[StepRows]) -> DecodeInputs:
-        """The step's sequences padded to their (S, Q) bucket (the caller checked there is one).
+    def pad(self, seqs: list[StepRows]) -> DecodeInputs | None:
+        """The step's sequences padded to their (S, Q) bucket; None where no graph holds them.
 
         Padded rows, of a real sequence or of a padded one, write their K/V to the scratch slot
         and attend to their context's first slot only: finite values, never read back.
         """
         shape = self.bucket_for(len(seqs), max(len(r.input_ids) for r in seqs))
-        assert shape is not None, f"no bucket holds {len(seqs)} sequences"
+        if shape is None:
+            return None
         num_seqs, query = shape
         scratch = self.scratch_slot
         device = seqs[0].context.device
