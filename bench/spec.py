@@ -32,7 +32,9 @@ are within 1e-2. ``top1_agree`` compares free-running outputs, so one flip at a 
 the rest of the text elsewhere and the share collapses; ``top1_agree_forced`` is the agreement
 given the same context (at each divergence one flip is counted, plain decoding's token forced
 and the speculative run continued, ``forced_flips`` the positions): both are reported, each
-judged against the 0.99 target. ``--workloads`` picks a subset.
+judged against the 0.99 target. ``--workloads`` picks a subset. ``step_costs_ms``: the main
+engine's measured cost of each decode/verification shape ("SxQ": sequences by query rows) at the
+end, against which it chose how many tokens to guess (``runtime/speculation/adaptive.py``).
 
 ``float32_tokens_equal``: the four workloads again with float32 weights, ``ngram`` and ``draft``
 each against ``off`` (one untimed call each); speculation must not change greedy output there.
@@ -690,6 +692,7 @@ def main() -> None:
     rows = make_rows(time_workloads(engine, prompts, args), args.format, args)
     divergence_gaps(rows, prompts, engine, "divergence_top2_gap")
     forced_agreements(rows, prompts, engine, args)
+    step_costs_ms = engine.step_costs.snapshot()
     del engine
 
     float32_rows: list[dict[str, Any]] = []
@@ -725,6 +728,7 @@ def main() -> None:
         "repeats": args.repeats,
         "draft_weights": args.draft_weights,
         "num_draft_tokens": args.num_draft_tokens,
+        "step_costs_ms": step_costs_ms,
         **label,
         **common.environment(args, model_dir),
     }

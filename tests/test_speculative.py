@@ -19,8 +19,9 @@ import torch
 from runtime import Engine, SamplingParams
 from runtime.engine.sequence import Sequence
 from runtime.errors import DraftModelError
-from runtime.speculation.adaptive import DraftLength
+from runtime.speculation.adaptive import DraftLength, expected_tokens, plan_query
 from runtime.speculation.ngram import NgramDrafter
+from runtime.speculation.step_costs import MIN_STEPS, StepCosts
 from runtime.speculation.verify import verify_greedy, verify_sampled
 from tests.engine_helpers import PROMPTS, chat_ids, hf_greedy
 from tests.tiny_models import make_tiny_model
@@ -161,8 +162,10 @@ def cache_contents(engine: Engine) -> dict[bytes, tuple[int, tuple[int, ...] | N
 def test_rejected_guesses_leave_no_blocks_and_no_cached_guesses(
     tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Three guesses every step, whatever happened (blocks of 4: most steps cross into a new one).
+    # Three guesses every step, whatever happened and whatever the steps cost (blocks of 4: most
+    # steps cross into a new one).
     monkeypatch.setattr(DraftLength, "update", lambda self, drafted, accepted: None)
+    monkeypatch.setattr("runtime.engine.engine.plan_query", lambda guesses, _a, _cost: 1 + max(guesses))
 
     def run(mode: str) -> tuple[Engine, list[int]]:
         engine = Engine(tiny_llama_path, kv_pool="4MiB", block_size=4, device="cpu", dtype="float32")
@@ -211,6 +214,69 @@ def test_draft_length_grows_after_hits_and_shrinks_after_misses() -> None:
     assert length.current == 8
     length.update(8, 0)
     assert length.current == 1
+
+
+def test_acceptance_estimate_follows_recent_guesses() -> None:
+    length = DraftLength(5)
+    assert length.acceptance == pytest.approx(0.5)  # the prior, before any guess
+    for _ in range(10):
+        length.update(5, 5)  # every guess holds
+    assert length.acceptance > 0.9
+    for _ in range(20):
+        length.update(1, 0)  # every guess misses
+    assert length.acceptance < 0.1
+
+
+def test_expected_tokens_is_the_geometric_sum() -> None:
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_plan_guesses_only_what_the_measured_step_repays() -> None:
+    def costs(table: dict[int, float]):
+        return lambda q: table.get(q)
+
+    # Nothing measured: every length costs the same, so the longest wins (as without a plan).
+    assert plan_query([5], [0.5], costs({})) == 6
+    # Rows nearly free (a weight-bound step): guess all five.
+    flat = {1: 10.0, 2: 10.5, 3: 11.0, 4: 11.0, 5: 12.0, 6: 12.0}
+    assert plan_query([5], [0.8], costs(flat)) == 6
+    # An AVX2 EPYC's compiled int4 step: 4 rows cost 1.33x one, 6 rows 2.3x (measured, code_edit).
+    avx2 = {1: 22.0, 2: 23.6, 3: 29.1, 4: 29.1, 5: 50.3, 6: 50.3}
+    assert plan_query([5], [0.8], costs(avx2)) == 4
+    assert plan_query([5], [0.05], costs(avx2)) == 1  # guesses that rarely hold: none at all
+    # An unmeasured length costs what the longest measured shorter one does, so it gets tried.
+    assert plan_query([5], [0.8], costs({1: 22.0, 2: 23.6})) == 6
+    # In a batch the step's length is one for all: a sequence that only decodes adds its token.
+    assert plan_query([0, 5], [0.0, 0.9], costs(avx2)) == 4
+    assert plan_query([0, 0], [0.0, 0.0], costs(avx2)) == 1
+
+
+def test_step_costs_are_the_median_of_recent_steps() -> None:
+    costs = StepCosts()
+    for seconds in [0.02] * (MIN_STEPS - 1):
+        costs.observe((1, 4), seconds)
+    assert costs.estimate((1, 4)) is None  # too few steps to trust
+    costs.observe((1, 4), 5.0)  # a neighbour's burst
+    assert costs.estimate((1, 4)) == pytest.approx(0.02)
+    assert costs.snapshot() == {"1x4": 20.0}
+
+
+@pytest.mark.model
+def test_no_guesses_where_the_measured_steps_do_not_repay_them(engine: Engine, prompt_ids, reference) -> None:
+    """The copying prompt guesses well, but here a step with guesses costs 100 times one without."""
+    engine.reset_prefix_cache()
+    try:
+        for _ in range(MIN_STEPS):
+            engine.step_costs.observe((1, 1), 0.01)
+            for query in range(2, 2 + engine.config.num_draft_tokens):
+                engine.step_costs.observe((1, query), 1.0)
+        out = engine.generate(prompt_ids[0], params("ngram"))[0]
+        assert out.token_ids == reference[0]
+        assert out.metrics.num_drafts == 0
+    finally:
+        engine.step_costs.clear()
 
 
 # -- verification -------------------------------------------------------------------------------

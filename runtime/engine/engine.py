@@ -38,9 +38,10 @@ from runtime.layers.llama_forward import supports_config as supports_lean_forwar
 from runtime.layers.weights import ACTIVATION_DTYPE, QUANTIZED_FORMATS, dtype_for
 from runtime.models.loader import load_model, resolve_device, resolve_model
 from runtime.sizes import format_bytes
-from runtime.speculation.adaptive import DraftLength
+from runtime.speculation.adaptive import DraftLength, plan_query
 from runtime.speculation.drafter import Drafter
 from runtime.speculation.ngram import NgramDrafter
+from runtime.speculation.step_costs import StepCosts
 from runtime.speculation.verify import verify_greedy, verify_sampled
 
 Prompt = str | list[int]
@@ -180,6 +181,8 @@ class Engine:
         self._spec_num_drafts = 0
         self._spec_num_draft_tokens = 0
         self._spec_num_accepted_tokens = 0
+        # Each decode/verification shape's measured wall time, which guesses must repay.
+        self.step_costs = StepCosts()
         # The default drafter of requests that do not choose one ("auto" resolved).
         self.speculate = self.config.speculate
         if self.speculate == "auto":
@@ -304,6 +307,8 @@ class Engine:
 
     def step(self) -> list[CompletionDelta]:
         """Run one forward over the scheduled batch; return each affected request's delta."""
+        # A step's cost, as guesses must repay it, includes proposing them (a draft model's forwards).
+        started = time.perf_counter()
         self._propose_drafts()
         with self._state_lock:
             batch = self.scheduler.schedule()
@@ -316,9 +321,12 @@ class Engine:
                 seq.metrics.queue_ms = (now - seq.arrival_time) * 1000
         self._max_batch_size = max(self._max_batch_size, len(batch.seqs))
 
+        compilations = self.runner.num_compilations
         output = self.runner.execute(batch)
-        next_tokens = self._next_tokens(output)
+        next_tokens = self._next_tokens(output)  # (its token ids on the host: the step is done)
         now = time.perf_counter()
+        if output.shape is not None and self.runner.num_compilations == compilations:
+            self.step_costs.observe(output.shape, now - started)
 
         deltas: list[CompletionDelta] = []
         with self._state_lock:
@@ -360,11 +368,23 @@ class Engine:
             running = list(self.scheduler.running)
         if len(running) > self.config.speculate_max_batch:
             return
-        wanted: dict[str, tuple[list[Sequence], list[int]]] = {}
+        # Each speculating sequence's most guesses, then the step's: what its measured cost repays.
+        most: dict[Sequence, int] = {}
         for seq in running:
             if seq.speculate == "off" or seq.draft_length is None or not seq.is_decoding:
                 continue
-            k = min(seq.draft_length.current, self._draft_room(seq))
+            most[seq] = min(seq.draft_length.current, self._draft_room(seq))
+        if not any(most.values()):
+            return
+        num_seqs = len(running)
+        query = plan_query(
+            [most.get(seq, 0) for seq in running],
+            [seq.draft_length.acceptance if seq in most and seq.draft_length else 0.0 for seq in running],
+            lambda q: self.step_costs.estimate(self.runner.step_shape(num_seqs, q)),
+        )
+        wanted: dict[str, tuple[list[Sequence], list[int]]] = {}
+        for seq, k in most.items():
+            k = min(k, query - 1)
             if k >= 1:
                 seqs, ks = wanted.setdefault(seq.speculate, ([], []))
                 seqs.append(seq)

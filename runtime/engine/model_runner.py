@@ -38,6 +38,9 @@ class StepOutput:
     # Rows per sampling sequence: 1, or 1 + its guesses (the last verified token's row, then one
     # per guess), which the engine verifies.
     num_rows: list[int]
+    # A step of decode and verification rows only: its (sequences, query rows) as it ran
+    # (``step_shape``), the key its cost is measured under; None for a step with prefill rows.
+    shape: tuple[int, int] | None = None
 
 
 class ModelRunner:
@@ -138,7 +141,25 @@ class ModelRunner:
         pos = torch.tensor([positions], device=self.device)  # (1, T)
         keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
         logits = self.forward(ids[0], pos[0], meta, keep_index)  # (n, V)
-        return StepOutput(sampling, logits.float() if sampling else None, num_rows)
+        shape = None
+        if not prefills and len(sampling) == len(batch.seqs):
+            shape = self.step_shape(len(sampling), max(num_rows))
+        return StepOutput(sampling, logits.float() if sampling else None, num_rows, shape)
+
+    def step_shape(self, num_seqs: int, query: int) -> tuple[int, int]:
+        """The (sequences, query rows) a decode step of ``num_seqs`` sequences with up to
+        ``query`` rows each runs as: its compiled graph's bucket, or those numbers eager."""
+        step = self.compiled_step
+        if step is not None and step.enabled:
+            bucket = step.bucket_for(num_seqs, query)
+            if bucket is not None:
+                return bucket
+        return (num_seqs, query)
+
+    @property
+    def num_compilations(self) -> int:
+        """Graphs compiled so far: a step during which this grew paid for a compile."""
+        return 0 if self.compiled_step is None else self.compiled_step.num_compilations
 
     def _execute_compiled(self, step: CompiledDecodeStep, batch: ScheduledBatch) -> StepOutput | None:
         """A decode batch through its bucket's graph; None for any other step (or no graph).
@@ -168,7 +189,10 @@ class ModelRunner:
         logits = step(inputs)  # (S*Q, V) float32
         if logits is None:
             return None
-        return StepOutput(list(batch.seqs), inputs.real_rows(logits), [len(r.input_ids) for r in rows])
+        num_seqs, query = inputs.context_mask.shape[:2]
+        return StepOutput(
+            list(batch.seqs), inputs.real_rows(logits), [len(r.input_ids) for r in rows], (num_seqs, query)
+        )
 
     @torch.inference_mode()
     def forward(

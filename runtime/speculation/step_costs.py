@@ -1,0 +1,49 @@
+"""What a decode or verification step costs on this machine, by its shape, as measured while serving.
+
+How much a step's extra rows cost depends on the CPU and the weight format: on an AVX-512
+EPYC a compiled int4 step of 6 rows costs little more than one of 1, while on an AVX2 EPYC
+(Zen 3) the same 6 rows cost 2.5 times one row, about as much as a 4-row step and a 2-row
+step together (the int4 kernel streams the weights once per block of rows). Guessing 5 tokens
+pays on the first and loses on the second, so the draft length is chosen against these costs
+(``adaptive.py``), and they are measured, never assumed.
+
+A shape is (sequences, query rows per sequence) as the step runs it: a compiled step's graph
+bucket, the eager step's own numbers. Each shape keeps its most recent :data:`WINDOW` wall
+times and is estimated by their median, which shrugs off a neighbour's burst on a shared VM
+and follows a context that grows (attention's share of a step grows with it).
+"""
+
+import statistics
+from collections import deque
+
+Shape = tuple[int, int]  # (sequences, query rows per sequence)
+
+WINDOW = 8  # recent steps per shape the estimate is the median of
+MIN_STEPS = 3  # a shape is estimated only after this many steps; before, the planner assumes it cheap
+
+
+class StepCosts:
+    def __init__(self) -> None:
+        self._seconds: dict[Shape, deque[float]] = {}
+
+    def observe(self, shape: Shape, seconds: float) -> None:
+        self._seconds.setdefault(shape, deque(maxlen=WINDOW)).append(seconds)
+
+    def estimate(self, shape: Shape) -> float | None:
+        """The median of the shape's recent wall times, or None until it has run :data:`MIN_STEPS` times."""
+        recent = self._seconds.get(shape)
+        if recent is None or len(recent) < MIN_STEPS:
+            return None
+        return statistics.median(recent)
+
+    def snapshot(self) -> dict[str, float]:
+        """Each estimated shape's cost in ms under ``"SxQ"``, for stats and benchmarks."""
+        out: dict[str, float] = {}
+        for shape in sorted(self._seconds):
+            seconds = self.estimate(shape)
+            if seconds is not None:
+                out[f"{shape[0]}x{shape[1]}"] = round(seconds * 1000, 2)
+        return out
+
+    def clear(self) -> None:
+        self._seconds.clear()
