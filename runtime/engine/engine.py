@@ -369,21 +369,22 @@ class Engine:
         if len(running) > self.config.speculate_max_batch:
             return
         # Each speculating sequence's most guesses, then the step's: what its measured cost repays.
-        most: dict[Sequence, int] = {}
+        most: dict[Sequence, tuple[int, float]] = {}  # (most guesses, acceptance)
         for seq in running:
             if seq.speculate == "off" or seq.draft_length is None or not seq.is_decoding:
                 continue
-            most[seq] = min(seq.draft_length.current, self._draft_room(seq))
-        if not any(most.values()):
+            most[seq] = (min(seq.draft_length.current, self._draft_room(seq)), seq.draft_length.acceptance)
+        if not any(k for k, _ in most.values()):
             return
         num_seqs = len(running)
+        plans = [most.get(seq, (0, 0.0)) for seq in running]
         query = plan_query(
-            [most.get(seq, 0) for seq in running],
-            [seq.draft_length.acceptance if seq in most and seq.draft_length else 0.0 for seq in running],
+            [k for k, _ in plans],
+            [a for _, a in plans],
             lambda q: self.step_costs.estimate(self.runner.step_shape(num_seqs, q)),
         )
         wanted: dict[str, tuple[list[Sequence], list[int]]] = {}
-        for seq, k in most.items():
+        for seq, (k, _) in most.items():
             k = min(k, query - 1)
             if k >= 1:
                 seqs, ks = wanted.setdefault(seq.speculate, ([], []))

@@ -141,9 +141,8 @@ class ModelRunner:
         pos = torch.tensor([positions], device=self.device)  # (1, T)
         keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
         logits = self.forward(ids[0], pos[0], meta, keep_index)  # (n, V)
-        shape = None
-        if not prefills and len(sampling) == len(batch.seqs):
-            shape = self.step_shape(len(sampling), max(num_rows))
+        # Run eager, so its own numbers (where a graph held it, it ran compiled above).
+        shape = (len(sampling), max(num_rows)) if not prefills and len(sampling) == len(batch.seqs) else None
         return StepOutput(sampling, logits.float() if sampling else None, num_rows, shape)
 
     def step_shape(self, num_seqs: int, query: int) -> tuple[int, int]:

@@ -64,9 +64,9 @@ def plan_query(
     """
     most = max(guesses, default=0)
     measured = [cost(query) for query in range(1, most + 2)]
-    first = next((s for s in measured if s is not None), 1.0)
     best_query, best_rate = 1, 0.0
-    seconds = first  # lengths before the first measured one: assumed as dear as it
+    # Lengths before the first measured one: assumed as dear as it.
+    seconds = next((s for s in measured if s is not None), 1.0)
     for query, measured_seconds in enumerate(measured, start=1):
         if measured_seconds is not None:
             seconds = measured_seconds

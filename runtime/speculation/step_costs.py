@@ -25,25 +25,23 @@ MIN_STEPS = 3  # a shape is estimated only after this many steps; before, the pl
 class StepCosts:
     def __init__(self) -> None:
         self._seconds: dict[Shape, deque[float]] = {}
+        # Each shape's median, kept current by observe: the planner reads it several times a step.
+        self._estimates: dict[Shape, float] = {}
 
     def observe(self, shape: Shape, seconds: float) -> None:
-        self._seconds.setdefault(shape, deque(maxlen=WINDOW)).append(seconds)
+        recent = self._seconds.setdefault(shape, deque(maxlen=WINDOW))
+        recent.append(seconds)
+        if len(recent) >= MIN_STEPS:
+            self._estimates[shape] = statistics.median(recent)
 
     def estimate(self, shape: Shape) -> float | None:
         """The median of the shape's recent wall times, or None until it has run :data:`MIN_STEPS` times."""
-        recent = self._seconds.get(shape)
-        if recent is None or len(recent) < MIN_STEPS:
-            return None
-        return statistics.median(recent)
+        return self._estimates.get(shape)
 
     def snapshot(self) -> dict[str, float]:
         """Each estimated shape's cost in ms under ``"SxQ"``, for stats and benchmarks."""
-        out: dict[str, float] = {}
-        for shape in sorted(self._seconds):
-            seconds = self.estimate(shape)
-            if seconds is not None:
-                out[f"{shape[0]}x{shape[1]}"] = round(seconds * 1000, 2)
-        return out
+        return {f"{s}x{q}": round(seconds * 1000, 2) for (s, q), seconds in sorted(self._estimates.items())}
 
     def clear(self) -> None:
         self._seconds.clear()
+        self._estimates.clear()
