@@ -5,6 +5,7 @@ format; the default model bounds what a user would notice (KL divergence, top-1 
 perplexity over a held text) and checks that int4 holds its Q4_1 weights (nearly) exactly.
 """
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,24 @@ def test_rescored_head_scores_its_candidates_exactly(int8_coarse: bool) -> None:
     rest = torch.ones_like(got, dtype=torch.bool).scatter(1, top, False)
     assert torch.equal(got[rest], candidates[rest])
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_the_heads_pass_timing_is_kept_and_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timing the coarse passes costs seconds a load, so it is done once per machine and head shape."""
+    monkeypatch.setenv("LIUBAI_GEMM_PLAN_DIR", str(tmp_path))
+    exact = (torch.randn(3000, 64, generator=torch.Generator().manual_seed(0)) * 0.1).bfloat16()
+    first = RescoredHead.build(exact)
+    [kept] = tmp_path.glob("*.json")
+    assert json.loads(kept.read_text()) == list(first.int8_rows)
+
+    def untimed(self: RescoredHead, rows: int) -> bool:
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(RescoredHead, "_int8_is_faster", untimed)
+    assert RescoredHead.build(exact).int8_rows == first.int8_rows
+    kept.write_text("[true]")  # a damaged timing is timed again
+    with pytest.raises(AssertionError, match="timed again"):
+        RescoredHead.build(exact)
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])

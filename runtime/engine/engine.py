@@ -206,8 +206,8 @@ class Engine:
         if not lean:
             return "auto"
 
-        def trial(fmt: str) -> "Engine":
-            return Engine(path, weights=fmt, **TRIAL_OPTIONS)
+        def trial(fmt: str, tune_gemm: bool) -> "Engine":
+            return Engine(path, weights=fmt, gemm="auto" if tune_gemm else "torch", **TRIAL_OPTIONS)
 
         return weight_plan(path, trial, on_notice).choice
 

@@ -4,18 +4,18 @@ Which format decodes fastest depends on the machine (the matrix units, the memor
 how torch's kernels treat them), so it is measured on the machine, once, like the GEMM plan
 (``runtime/layers/gemm.py``): each format of :data:`CANDIDATES` gets an engine of its own, whose
 quality is scored against float32 weights over :data:`~runtime.engine.scoring.HELD_TOKENS`
-tokens of the held text (``scoring.py``) and whose batch-1 greedy decode is timed (eager, no
-speculation, best of :data:`TIMED_RUNS`). The choice is the fastest format within KLD <= 1e-3
-and top-1 agreement >= 0.98 (float32, the reference, always is), where a less precise format
-must be at least :data:`MARGIN` (5%) faster than the more precise one it displaces. Eager, not
-compiled: compiling every format would cost minutes, and the compiled step kept the eager order
-on the machines measured (bench.decode, README).
+tokens of the held text (``scoring.py``) and, if that quality can be chosen, whose batch-1
+greedy decode is timed (eager, no speculation, best of :data:`TIMED_RUNS`). The choice is the
+fastest format within KLD <= 1e-3 and top-1 agreement >= 0.98 (float32, the reference, always
+is), where a less precise format must be at least :data:`MARGIN` (5%) faster than the more
+precise one it displaces. Eager, not compiled: compiling every format would cost minutes, and
+the compiled step kept the eager order on the machines measured (bench.decode, README).
 
 The plan is a JSON file in ``weight-plan/`` under liubai's cache dir (or
 ``$LIUBAI_WEIGHT_PLAN_DIR``), keyed by the model's files, the CPU, torch and the thread count,
-and holds every format's figures; measuring takes about a minute the first time (the float
-formats' GEMM plans are timed and the quantized weights filed on the way, so later loads in any
-format are quicker too).
+and holds every format's figures; measuring takes about a minute the first time (float32's GEMM
+plan is timed and the quantized weights filed on the way, so later loads in those formats are
+quicker too).
 
 The plan applies only where nothing else decides: ``weights`` and ``dtype`` both ``auto``, the
 lean forward, a CPU. A named ``--dtype`` keeps that dtype's float weights; CUDA keeps bfloat16.
@@ -28,7 +28,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from runtime.paths import cache_dir
 log = logging.getLogger(__name__)
 
 CANDIDATES = ("float32", "bfloat16", "int8", "int4")
+FLOAT_FORMATS = ("float32", "bfloat16")
 PROMPT_TOKENS = 64  # the timed decode's context (of the held text)
 TIMED_TOKENS = 32  # greedy tokens per timed run
 TIMED_RUNS = 3  # the first warms the engine up; the best of the rest counts
@@ -60,7 +61,7 @@ TRIAL_OPTIONS: dict[str, Any] = {
 @dataclass(frozen=True, slots=True)
 class FormatFigures:
     format: str
-    decode_tok_s: float
+    decode_tok_s: float | None  # None: not timed, its quality already rules it out
     kld_mean: float
     top1_agree: float
     ppl_delta_pct: float
@@ -68,6 +69,15 @@ class FormatFigures:
     @property
     def within_bounds(self) -> bool:
         return self.kld_mean <= MAX_KLD and self.top1_agree >= MIN_TOP1
+
+    @property
+    def eligible(self) -> bool:
+        """Whether :func:`choose` may pick it: float32, the reference, always is."""
+        return self.within_bounds or self.format == "float32"
+
+    @property
+    def rate(self) -> float:
+        return self.decode_tok_s or 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,10 +90,10 @@ class WeightPlan:
         """One line: the choice and why, for notices and the README's claims."""
         by_format = {row.format: row for row in self.rows}
         chosen, reference = by_format[self.choice], by_format["float32"]
-        speedup = chosen.decode_tok_s / reference.decode_tok_s if reference.decode_tok_s else 0.0
+        speedup = chosen.rate / reference.rate if reference.rate else 0.0
         return (
-            f"weights auto: {self.choice} ({chosen.decode_tok_s:.1f} tok/s, {speedup:.2f}x float32's "
-            f"{reference.decode_tok_s:.1f}; KLD {chosen.kld_mean:.1e}, top-1 {chosen.top1_agree:.3f})"
+            f"weights auto: {self.choice} ({chosen.rate:.1f} tok/s, {speedup:.2f}x float32's "
+            f"{reference.rate:.1f}; KLD {chosen.kld_mean:.1e}, top-1 {chosen.top1_agree:.3f})"
         )
 
 
@@ -96,12 +106,12 @@ def choose(rows: list[FormatFigures] | tuple[FormatFigures, ...]) -> str:
     change the weights, the KV capacity and every figure that depends on them. Formats are taken
     in :data:`CANDIDATES` order, most precise first.
     """
-    eligible = [row for row in rows if row.within_bounds or row.format == "float32"]
+    eligible = [row for row in rows if row.eligible]
     # A kept plan naming a format not in CANDIDATES raises ValueError here: it is measured again.
     eligible.sort(key=lambda row: CANDIDATES.index(row.format))
     chosen = eligible[0]
     for row in eligible[1:]:
-        if row.decode_tok_s > chosen.decode_tok_s * (1 + MARGIN):
+        if row.rate > chosen.rate * (1 + MARGIN):
             chosen = row
     return chosen.format
 
@@ -117,16 +127,19 @@ def plan_path(model_path: Path) -> Path:
 
 
 def weight_plan(
-    model_path: Path, open_engine: Callable[[str], Any], on_notice: Callable[[str], None]
+    model_path: Path, open_engine: Callable[[str, bool], Any], on_notice: Callable[[str], None]
 ) -> WeightPlan:
     """The plan for the model at ``model_path`` on this machine: read back, or measured now (each
-    format in an engine ``open_engine(format)`` builds with :data:`TRIAL_OPTIONS`) and kept."""
+    format in an engine ``open_engine(format, tune_gemm)`` builds with :data:`TRIAL_OPTIONS`) and kept."""
     path = plan_path(model_path)
     if path.is_file():
         try:
             data = json.loads(path.read_text())
             stored = tuple(FormatFigures(**row) for row in data["rows"])
-            if "float32" in {row.format for row in stored}:
+            # Every format the rule may pick must have been timed (a looser bound than the one
+            # that skipped a format's timing measures again).
+            timed = all(row.decode_tok_s is not None for row in stored if row.eligible)
+            if "float32" in {row.format for row in stored} and timed:
                 # Chosen again from the figures, so a change of rule needs no new measurement.
                 return WeightPlan(choose(stored), stored, path)
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -148,32 +161,42 @@ def weight_plan(
     return plan
 
 
-def measure(open_engine: Callable[[str], Any], formats: tuple[str, ...] = CANDIDATES) -> list[FormatFigures]:
-    """Each format's batch-1 decode speed and quality against float32 weights, on this machine.
+def measure(
+    open_engine: Callable[[str, bool], Any], formats: tuple[str, ...] = CANDIDATES
+) -> list[FormatFigures]:
+    """Each format's quality against float32 weights and, where that quality can be chosen, its
+    batch-1 decode speed, on this machine.
 
-    ``open_engine(format)`` is an ``Engine`` of the model in that format (passed in, not built
-    here, so that the engine, which asks for this plan, is not imported by it).
+    ``open_engine(format, tune_gemm)`` is an ``Engine`` of the model in that format, its products'
+    forms timed (gemm.py) or not (passed in, not built here, so that the engine, which asks for
+    this plan, is not imported by it). A float format other than the reference is first scored
+    untuned: timing its GEMM plan costs half a minute on a CPU without bfloat16 units, wasted
+    where the format's quality rules it out (bfloat16 on the default model, top-1 0.977), and the
+    forms change only the rounding. Quantized formats have no plan to time.
     """
     params = SamplingParams(max_tokens=TIMED_TOKENS, temperature=0.0, ignore_eos=True)
     reference: torch.Tensor | None = None
     rows = []
     for fmt in ("float32", *(f for f in formats if f != "float32")):
-        engine = open_engine(fmt)
+        scored_untuned = fmt in FLOAT_FORMATS and fmt != "float32"
+        engine = open_engine(fmt, not scored_untuned)
         ids = held_token_ids(engine.tokenizer, HELD_TOKENS)
         logits = engine.prompt_logits(ids)
         if reference is None:
             reference = logits
         score: Quality = quality(reference, logits, ids)
-        rates = []
-        for _ in range(TIMED_RUNS):
-            metrics = engine.generate([ids[:PROMPT_TOKENS]], params)[0].metrics
-            rates.append((metrics.num_generated_tokens - 1) / (metrics.decode_ms / 1000))
-        rows.append(
-            FormatFigures(
-                fmt, round(max(rates[1:]), 2), score.kld_mean, round(score.top1_agree, 4), score.ppl_delta_pct
-            )
-        )
-        log.info("weights auto: %s", rows[-1])
+        row = FormatFigures(fmt, None, score.kld_mean, round(score.top1_agree, 4), score.ppl_delta_pct)
+        if row.eligible:
+            if scored_untuned:
+                del engine
+                engine = open_engine(fmt, True)
+            rates = []
+            for _ in range(TIMED_RUNS):
+                metrics = engine.generate([ids[:PROMPT_TOKENS]], params)[0].metrics
+                rates.append((metrics.num_generated_tokens - 1) / (metrics.decode_ms / 1000))
+            row = replace(row, decode_tok_s=round(max(rates[1:]), 2))
+        rows.append(row)
+        log.info("weights auto: %s", row)
         del engine
     return [row for row in rows if row.format in formats]
 

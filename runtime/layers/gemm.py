@@ -173,19 +173,26 @@ def best_time(run: Callable[[], object], repeats: int = 2) -> float:
     return best
 
 
-def _cache_path(shapes: list[Shape], dtype: torch.dtype) -> Path:
-    key = json.dumps(
-        {
-            "cpu": _cpu_name(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "dtype": str(dtype),
-            "shapes": shapes,
-            "buckets": ROW_BUCKETS,
-        },
-        sort_keys=True,
-    )
+def _cache_path(shapes: list[Shape], dtype: torch.dtype, kind: str | None = None) -> Path:
+    """Where a timing of ``shapes`` in ``dtype`` on this machine is kept; ``kind`` names timings
+    other than a GEMM plan's (the rescored head's passes), kept beside the plans."""
+    fields: dict[str, object] = {
+        "cpu": _cpu_name(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": str(dtype),
+        "shapes": shapes,
+        "buckets": ROW_BUCKETS,
+    }
+    if kind is not None:
+        fields["kind"] = kind
+    key = json.dumps(fields, sort_keys=True)
     return plan_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def timing_path(kind: str, shapes: list[Shape], dtype: torch.dtype) -> Path:
+    """Where a timing other than a GEMM plan (``kind``) of ``shapes`` on this machine is kept."""
+    return _cache_path(shapes, dtype, kind)
 
 
 def plan_dir() -> Path:

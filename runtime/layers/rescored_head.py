@@ -13,17 +13,24 @@ Measured on the default model with int4 layers over 256 held tokens against floa
 (top-1 0.988): better than the bfloat16 head, whose logits are rounded to bfloat16, at about
 half its cost for one row (1.3 ms against 2.2 ms). With more rows the bfloat16 product catches
 up on CPUs with bfloat16 matrix units (AMX: 1.9 ms for 8 rows against 3.5 ms for int8), so the
-coarse pass is timed both ways on this machine for each row bucket when the head is built, and
-the faster one is kept; the candidates' logits are the same float32 numbers either way.
+coarse pass is timed both ways on this machine for each row bucket when the head is first built,
+and the faster one is kept (beside the GEMM plans, keyed like them, so later loads read it: the
+timing costs about 2 s a load on a 2-core machine); the candidates' logits are the same float32
+numbers either way.
 """
 
+import json
+import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from runtime.layers.gemm import ROW_BUCKETS, best_time, row_bucket
+from runtime.layers.gemm import ROW_BUCKETS, best_time, row_bucket, timing_path
 from runtime.layers.weights import ACTIVATION_DTYPE, Int8Weight, quantize_int8
+
+log = logging.getLogger(__name__)
 
 NUM_CANDIDATES = 64
 
@@ -43,7 +50,7 @@ class RescoredHead:
         """The head over ``exact`` (bfloat16), its coarse pass timed on this CPU (or int8 throughout)."""
         head = cls(quantize_int8(exact.float()), exact, min(NUM_CANDIDATES, exact.shape[0]))
         if time_passes and exact.device.type == "cpu":
-            head.int8_rows = tuple(head._int8_is_faster(rows) for rows in ROW_BUCKETS)
+            head.int8_rows = head._timed_int8_rows()
         return head
 
     @property
@@ -68,6 +75,26 @@ class RescoredHead:
     def dequantize(self) -> torch.Tensor:
         """The coarse pass's weight (V, K) float32 (the candidates' logits use ``exact`` instead)."""
         return self.coarse.dequantize()
+
+    def _timed_int8_rows(self) -> tuple[bool, ...]:
+        """Per row bucket, whether the int8 coarse pass is the faster here: read back, or timed and kept."""
+        path = timing_path("rescored-head", [self.shape], self.exact.dtype)
+        try:
+            kept = json.loads(path.read_text())
+            if isinstance(kept, list) and len(kept) == len(ROW_BUCKETS):
+                if all(isinstance(v, bool) for v in kept):
+                    return tuple(kept)
+        except (OSError, ValueError):
+            pass
+        int8_rows = tuple(self._int8_is_faster(rows) for rows in ROW_BUCKETS)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(list(int8_rows)))
+            tmp.replace(path)
+        except OSError as exc:
+            log.info("rescored head timing not kept (%s)", exc)  # timed again next load
+        return int8_rows
 
     def _int8_is_faster(self, rows: int) -> bool:
         x = torch.randn(rows, self.exact.shape[1], generator=torch.Generator().manual_seed(0))
