@@ -334,3 +334,19 @@ def test_tools_setting_is_validated() -> None:
     assert AgentConfig(tools=True).tools == "on" and AgentConfig(tools=False).tools == "off"
     with pytest.raises(ValueError, match="--tools must be one of auto, on, off"):
         AgentConfig(tools="sometimes")
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["run", "--top-p", "5", "hi"], ["logs", "export", "--format", "xml"]]
+)
+def test_help_and_usage_errors_answer_before_torch_is_imported(argv: list[str]) -> None:
+    """Importing torch costs about 2 s; a typo or ``--help`` should not wait for it."""
+    probe = (
+        "import sys\nfrom agent.cli.main import main\n"
+        f"try:\n    code = main({argv!r})\nexcept SystemExit as exc:\n    code = exc.code\n"
+        "print('torch' in sys.modules, code, file=sys.stderr)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    imported, code = result.stderr.strip().splitlines()[-1].split()
+    assert imported == "False", result.stderr
+    assert code == ("0" if argv == ["--help"] else "2")

@@ -8,11 +8,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from agent.logs.report import EXPORT_FORMATS, export_requests, list_sessions, show_session
-from agent.logs.slope import DEFAULT_THRESHOLD, render_slope, slope_report
-from memory.store import Store, default_db_path
+from agent.logs.defaults import DEFAULT_THRESHOLD, EXPORT_FORMATS
+
+if TYPE_CHECKING:
+    from memory.store import Store
 
 
 def add_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -40,6 +41,10 @@ def add_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") 
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here: the store's package imports the runtime, and with it torch.
+    from agent.logs.report import export_requests, list_sessions, show_session
+    from memory.store import Store, default_db_path
+
     path = Path(args.db) if args.db else default_db_path()
     action = args.logs_command
     if action == "path":
@@ -101,7 +106,9 @@ def _add_slope(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
 
 
-def _run_slope(store: Store, args: argparse.Namespace, out: TextIO) -> int:
+def _run_slope(store: "Store", args: argparse.Namespace, out: TextIO) -> int:
+    from agent.logs.slope import render_slope, slope_report
+
     if args.all:
         session_ids = [s.id for s in store.list_sessions()]
     elif args.session_id is not None:

@@ -55,10 +55,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _dispatch(argv: Sequence[str] | None) -> int:
-    # Importing any runtime module imports the runtime package, and with it torch.
-    from memory.errors import MemoryLayerError
-    from runtime.errors import EngineError
-
     args: argparse.Namespace | None = None
     try:
         parser = build_parser()
@@ -70,8 +66,25 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         return handler(args)
     except UsageError as exc:
         return _fail(exc, EXIT_USAGE, args)
-    except (EngineError, MemoryLayerError, ValueError) as exc:
+    except Exception as exc:
+        if not _told_in_one_line(exc):
+            raise
         return _fail(exc, EXIT_FAILURE, args)
+
+
+def _told_in_one_line(exc: Exception) -> bool:
+    """Whether ``exc`` is an error the user is told in one line (the engine's, memory's, a bad value).
+
+    The error classes are imported only here, once something failed: importing any runtime or
+    memory module imports its package, and with it torch (2 s), which ``--help``, ``--version``
+    and a usage error never need.
+    """
+    if isinstance(exc, ValueError):
+        return True
+    from memory.errors import MemoryLayerError
+    from runtime.errors import EngineError
+
+    return isinstance(exc, (EngineError, MemoryLayerError))
 
 
 def _fail(exc: Exception, code: int, args: argparse.Namespace | None) -> int:

@@ -36,13 +36,13 @@ def add_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") 
 
 
 def run(args: argparse.Namespace) -> int:
+    config = agent_config(args)  # checked before the runner's imports (torch, 2 s) are paid
     from agent.headless.runner import HeadlessRun, run_headless
     from agent.headless.script import ScriptError
 
     prompt = args.prompt
     if prompt == "-":
         prompt = sys.stdin.read()
-    config = agent_config(args)
     try:
         run = HeadlessRun(
             prompt=prompt,

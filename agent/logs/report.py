@@ -16,7 +16,6 @@ from memory.compaction import describe_facts
 from memory.store import Store
 from runtime.engine.metrics import RequestMetrics
 
-EXPORT_FORMATS = ("jsonl", "csv")
 SPEC_COLUMNS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 

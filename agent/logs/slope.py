@@ -26,10 +26,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from agent.logs.defaults import DEFAULT_THRESHOLD
 from memory.store import Store
 
 MIN_POINTS = 3
-DEFAULT_THRESHOLD = 2048
 GROUPS = ("short", "long", "all")
 # metric -> (label, what one point is)
 METRICS = {
