@@ -36,12 +36,13 @@ import torch
 
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scoring import HELD_TOKENS, MAX_KLD, MIN_TOP1, Quality, held_token_ids, quality
+from runtime.layers.gemm import keep_timing
+from runtime.layers.weights import QUANTIZED_FORMATS
 from runtime.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
 CANDIDATES = ("float32", "bfloat16", "int8", "int4")
-FLOAT_FORMATS = ("float32", "bfloat16")
 PROMPT_TOKENS = 64  # the timed decode's context (of the held text)
 TIMED_TOKENS = 32  # greedy tokens per timed run
 TIMED_RUNS = 3  # the first warms the engine up; the best of the rest counts
@@ -150,13 +151,7 @@ def weight_plan(
     started = time.perf_counter()
     rows = measure(open_engine)
     plan = WeightPlan(choose(rows), tuple(rows), path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"choice": plan.choice, "rows": [asdict(row) for row in rows]}, indent=1))
-        tmp.replace(path)
-    except OSError as exc:
-        log.info("weight plan not kept (%s)", exc)  # measured again next time, nothing worse
+    keep_timing(path, {"choice": plan.choice, "rows": [asdict(row) for row in rows]})
     on_notice(f"{plan.describe()}; measured in {time.perf_counter() - started:.0f} s")
     return plan
 
@@ -178,7 +173,7 @@ def measure(
     reference: torch.Tensor | None = None
     rows = []
     for fmt in ("float32", *(f for f in formats if f != "float32")):
-        scored_untuned = fmt in FLOAT_FORMATS and fmt != "float32"
+        scored_untuned = fmt not in QUANTIZED_FORMATS and fmt != "float32"
         engine = open_engine(fmt, not scored_untuned)
         ids = held_token_ids(engine.tokenizer, HELD_TOKENS)
         logits = engine.prompt_logits(ids)

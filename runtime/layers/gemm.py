@@ -128,14 +128,20 @@ def plan_for(weights: Iterable[torch.Tensor], enabled: bool = True) -> GemmPlan:
     started = time.perf_counter()
     plan = GemmPlan({shape: _time_shape(ws) for shape, ws in by_shape.items()})
     log.info("gemm plan timed in %.1f s: %s", time.perf_counter() - started, plan.to_json())
+    keep_timing(path, plan.to_json())
+    return plan
+
+
+def keep_timing(path: Path, data: object) -> None:
+    """Write a timing's JSON to ``path`` whole (a reader never sees half of it), or not at all:
+    a read-only cache only means timing again next time."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(plan.to_json()))
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data))
         tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache only means timing again next time
-    return plan
+    except OSError as exc:
+        log.info("timing not kept at %s (%s)", path, exc)
 
 
 def _time_shape(weights: list[torch.Tensor]) -> tuple[int, ...]:

@@ -20,17 +20,13 @@ numbers either way.
 """
 
 import json
-import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from runtime.layers.gemm import ROW_BUCKETS, best_time, row_bucket, timing_path
+from runtime.layers.gemm import ROW_BUCKETS, best_time, keep_timing, row_bucket, timing_path
 from runtime.layers.weights import ACTIVATION_DTYPE, Int8Weight, quantize_int8
-
-log = logging.getLogger(__name__)
 
 NUM_CANDIDATES = 64
 
@@ -87,13 +83,7 @@ class RescoredHead:
         except (OSError, ValueError):
             pass
         int8_rows = tuple(self._int8_is_faster(rows) for rows in ROW_BUCKETS)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(list(int8_rows)))
-            tmp.replace(path)
-        except OSError as exc:
-            log.info("rescored head timing not kept (%s)", exc)  # timed again next load
+        keep_timing(path, list(int8_rows))
         return int8_rows
 
     def _int8_is_faster(self, rows: int) -> bool:
