@@ -201,6 +201,8 @@ def test_ngram_proposes_what_followed_the_latest_match() -> None:
     seq.token_ids.extend([4, 8, 1, 2])
     assert drafter.propose([seq], [2]) == [[3, 4]]  # the index grew with the new tokens
     assert drafter.propose([Seq([1, 2, 3, 4])], [5]) == [[]]  # no earlier occurrence: no guess
+    # The longest match wins over a later, shorter one: "5 1 2 3" was followed by 7.
+    assert drafter.propose([Seq([5, 1, 2, 3, 7, 9, 1, 2, 3, 8, 5, 1, 2, 3])], [1]) == [[7]]
 
 
 def test_draft_length_grows_after_hits_and_shrinks_after_misses() -> None:
