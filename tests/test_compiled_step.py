@@ -225,3 +225,33 @@ def test_int4_weights_decode_through_the_graph(tiny_llama_path: Path) -> None:
     report = step.report()
     assert report.enabled and report.num_compiled_steps == 15
     assert compiled.stats().compiled and compiled.stats().weight_format == "int4"
+
+
+CACHE_DIR_SCRIPT = """
+import torch._dynamo  # as transformers does: it writes inductor's /tmp default into the environment
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+from runtime.layers.compiled_step import configure_inductor
+configure_inductor()
+print(cache_dir())
+"""
+
+
+@pytest.mark.parametrize("user_set", [False, True])
+def test_compiled_graphs_are_cached_under_liubais_cache_dir(tmp_path: Path, user_set: bool) -> None:
+    """Inductor compiles into the directory its ``cache_dir()`` names: liubai's cache, even after
+    dynamo's import wrote /tmp's default; a directory the user chose stays theirs."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["LIUBAI_CACHE_DIR"] = str(tmp_path / "liubai")
+    if user_set:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
+    done = subprocess.run(
+        [sys.executable, "-c", CACHE_DIR_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = tmp_path / ("mine" if user_set else "liubai/inductor")
+    assert done.stdout.strip().splitlines()[-1] == str(expected)

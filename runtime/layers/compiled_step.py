@@ -277,9 +277,16 @@ def configure_inductor(cpp_wrapper: bool = False) -> dict[str, Any]:
     The settings (weights frozen into the graph, the FX graph cache on) are patched per compile
     rather than set globally, so other ``torch.compile`` users in the process (a benchmark's
     peer) keep inductor's defaults. ``TORCHINDUCTOR_CACHE_DIR`` is inductor's own setting, read
-    when it compiles; one the user set is left alone.
+    when it compiles; one the user set is left alone. Importing ``torch._dynamo`` (transformers
+    does, before any engine compiles) writes inductor's default, a directory under /tmp, into the
+    environment, so that value counts as unset: left there, every graph would compile again after
+    a reboot.
     """
-    os.environ.setdefault(CACHE_DIR_ENV, str(cache_dir() / "inductor"))
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get(CACHE_DIR_ENV)
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ[CACHE_DIR_ENV] = str(cache_dir() / "inductor")
     return {"freezing": True, "cpp_wrapper": cpp_wrapper, "fx_graph_cache": True}
 
 
