@@ -1,11 +1,12 @@
 """What a decode or verification step costs on this machine, by its shape, as measured while serving.
 
-How much a step's extra rows cost depends on the CPU and the weight format: on an AVX-512
-EPYC a compiled int4 step of 6 rows costs little more than one of 1, while on an AVX2 EPYC
-(Zen 3) the same 6 rows cost 2.5 times one row, about as much as a 4-row step and a 2-row
-step together (the int4 kernel streams the weights once per block of rows). Guessing 5 tokens
-pays on the first and loses on the second, so the draft length is chosen against these costs
-(``adaptive.py``), and they are measured, never assumed.
+How much a step's extra rows cost depends on the CPU and the weight format. ATen's int4 kernel
+streams the weights once per block of 4 rows, so on an AMD EPYC Zen 5 (AVX-512) a compiled
+int4 step of 4 rows cost 1.4 times one of 1 and a step of 6 rows 2.0 times (2026-12-07); on an
+AVX2 EPYC (Zen 3) 4 rows cost 1.33 times and 6 rows 2.3 to 2.5 times. An earlier AVX-512 EPYC
+reading had 6 rows at little more than one. Whether guessing 5 tokens pays therefore differs by
+machine, so the draft length is chosen against these costs (``adaptive.py``), and they are
+measured, never assumed.
 
 A shape is (sequences, query rows per sequence) as the step runs it: a compiled step's graph
 bucket, the eager step's own numbers. Each shape keeps its most recent :data:`WINDOW` wall
