@@ -37,10 +37,20 @@ _VERBS = "records keeps measures carries divides guards repairs audits seals ret
 # --- arguments and model ---------------------------------------------------------------------
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
+def base_parser(description: str, engine_defaults: bool = False) -> argparse.ArgumentParser:
+    """The options every benchmark takes. ``engine_defaults``: a benchmark of liubai alone, whose
+    ``--dtype`` defaults to the engine's own ("auto") and which takes ``--weights`` (default
+    "auto"), so that it measures what a user gets; benchmarks with a transformers peer keep
+    float32, a dtype both sides can name."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="short name or model directory")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    if engine_defaults:
+        from runtime.layers.weights import WEIGHT_FORMATS
+
+        parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+        parser.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS)
+    else:
+        parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
     parser.add_argument("--threads", type=int, help="CPU threads for every peer (default: torch's)")
     return parser
