@@ -292,6 +292,7 @@ class AgentSession:
             "weights": self.backend.weight_format,
             "compiled": self.backend.compiled,
             "speculate": self.backend.speculate,
+            "wide_step_rows": self.backend.wide_step_rows,
         }
 
     def _record(self, kind: str, metrics: RequestMetrics, kv_tokens: int, finish_reason: str | None) -> Cost:

@@ -19,7 +19,10 @@ context) x liubai tok/s / the best memory read bandwidth measured during the run
 same turns): its decode speed and TTFT, its quality against float32 weights over a held text
 (``kld_mean``, ``top1_agree``, ``ppl_delta_pct``; 256 tokens of ``runtime/engine/held_text.txt``
 scored in one prefill), the bytes one decode step reads (its matrices, one embedding row and
-the KV at the mean context) and the roofline fraction of those bytes. ``best_format`` is the
+the KV at the mean context) and the roofline fraction of those bytes; ``wide_step_rows``, with
+``prefill_kld_mean`` and ``prefill_top1_agree``: from how many rows a step of a quantized format
+multiplies by bfloat16 copies of its weights, and their quality (null and the kernels' own
+where it has none). ``best_format`` is the
 fastest row within ``kld_mean`` <= 1e-3 and ``top1_agree`` >= 0.98 (float32 always is);
 ``decode_ratio``, ``roofline_fraction`` and ``llamacpp_ratio`` are that row's. Formats named by
 ``--compiled`` get a second row with ``compiled`` true: the same format through liubai's compiled
@@ -195,6 +198,10 @@ def format_rows(
     for key, engine in engines.items():
         fmt = key.removesuffix(COMPILED_SUFFIX)
         score = quality(ref, engine.prompt_logits(ids), ids)
+        # A prompt's own products: where this format reads long chunks through bfloat16 copies
+        # of its weights (runtime/layers/wide_steps.py), their quality, beside the kernels'.
+        wide_rows = engine.wide_step_rows
+        prefill = quality(ref, engine.prompt_logits(ids, decode_kernels=False), ids) if wide_rows else score
         forward = engine.runner.lean_forward
         embedding = engine.model.model.embed_tokens.weight
         bytes_read = (
@@ -213,6 +220,9 @@ def format_rows(
                 "kld_mean": score.kld_mean,
                 "top1_agree": round(score.top1_agree, 4),
                 "ppl_delta_pct": round(score.ppl_delta_pct, 3),
+                "wide_step_rows": wide_rows,
+                "prefill_kld_mean": prefill.kld_mean,
+                "prefill_top1_agree": round(prefill.top1_agree, 4),
                 "bytes_per_token_read": int(bytes_read),
                 "roofline_fraction": common.ratio(rate and bytes_read * rate, bandwidth * 1e9),
             }

@@ -61,6 +61,10 @@ class ScriptedBackend:
         return "off" if self.drafts is None else "ngram"
 
     @property
+    def wide_step_rows(self) -> None:
+        return None
+
+    @property
     def max_context_tokens(self) -> int:
         return 8192
 

@@ -76,6 +76,10 @@ class ReplayBackend:
         return None if self.remote else "off" if self.drafts is None else "ngram"
 
     @property
+    def wide_step_rows(self) -> None:
+        return None
+
+    @property
     def max_context_tokens(self) -> int | None:
         return None if self.remote else 8192
 

@@ -60,6 +60,11 @@ class Backend(Protocol):
         """How the engine speculates by default ("off", "ngram" or "draft"), or None where unknown."""
 
     @property
+    def wide_step_rows(self) -> int | None:
+        """The fewest rows of a step that multiply by bfloat16 copies of quantized weights
+        (runtime/layers/wide_steps.py), or None: never, or unknown."""
+
+    @property
     def max_context_tokens(self) -> int | None:
         """The most tokens one conversation's KV can hold (the model's context, within the KV
         pool), or None when the backend cannot know."""
@@ -108,6 +113,10 @@ class LocalBackend:
     @property
     def speculate(self) -> str:
         return self.engine.speculate
+
+    @property
+    def wide_step_rows(self) -> int | None:
+        return self.engine.wide_step_rows
 
     @property
     def max_context_tokens(self) -> int:

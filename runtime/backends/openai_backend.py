@@ -115,6 +115,10 @@ class OpenAIBackend:
     def speculate(self) -> None:
         return None
 
+    @property
+    def wide_step_rows(self) -> None:
+        return None
+
     @cached_property
     def max_context_tokens(self) -> int | None:
         """This model's context on the server, where its ``GET /v1/models`` card states one

@@ -614,12 +614,25 @@ class Engine:
                 kv_staging_bytes=self.kv_cache.staging_bytes,
                 weight_format=self.weight_format,
                 compiled=self.compiled,
+                wide_step_rows=self.wide_step_rows,
+                wide_copy_bytes=self._wide_copy_bytes,
                 speculate=self.speculate,
                 spec_num_drafts=self._spec_num_drafts,
                 spec_num_draft_tokens=self._spec_num_draft_tokens,
                 spec_num_accepted_tokens=self._spec_num_accepted_tokens,
                 **self._disk_stats(),
             )
+
+    @property
+    def wide_step_rows(self) -> int | None:
+        """The fewest rows a step multiplies by bfloat16 copies of quantized weights; None: never."""
+        lean = self.runner.lean_forward
+        return None if lean is None else lean.wide_rows
+
+    @property
+    def _wide_copy_bytes(self) -> int:
+        lean = self.runner.lean_forward
+        return 0 if lean is None or lean.wide_copies is None else lean.wide_copies.nbytes
 
     @property
     def compiled(self) -> bool:
@@ -642,9 +655,11 @@ class Engine:
         }
 
     @torch.inference_mode()
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+    def prompt_logits(self, token_ids: list[int], decode_kernels: bool = True) -> torch.Tensor:
         """Float32 logits (T, V) of one prefill over ``token_ids``: row i is the distribution of
-        token i + 1 given tokens 0..i, from the forward this engine decodes with.
+        token i + 1 given tokens 0..i, from the forward this engine decodes with: its decode
+        kernels however many rows (a quantized format is judged by what decoding multiplies by),
+        or, without ``decode_kernels``, the products a prefill of T rows would use.
 
         For judging a weight format (runtime/engine/scoring.py). The prefill writes its keys and
         values into the pool's first blocks without the block manager, so it needs an idle engine
@@ -669,7 +684,7 @@ class Engine:
         )
         ids = torch.tensor(token_ids, device=self.device)
         with self._step_lock:
-            logits = self.runner.forward(ids, positions, meta, positions)  # (T, V)
+            logits = self.runner.forward(ids, positions, meta, positions, decode_kernels)  # (T, V)
         self.reset_prefix_cache()
         return logits.float()
 

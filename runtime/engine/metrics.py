@@ -93,6 +93,10 @@ class EngineStats:
     # Whether decode steps run through compiled graphs now (runtime/layers/compiled_step.py):
     # False when compiling is off, does not apply, or failed and fell back to eager.
     compiled: bool = False
+    # Steps of at least this many rows multiply by bfloat16 copies of the quantized weights
+    # (runtime/layers/wide_steps.py), which take wide_copy_bytes; None: the kernels throughout.
+    wide_step_rows: int | None = None
+    wide_copy_bytes: int = 0
     # Speculative decoding: the engine's default drafter ("off", "ngram" or "draft") and the
     # totals over every request so far (vLLM's spec_decode counters).
     speculate: str = "off"

@@ -195,14 +195,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata, keep: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        keep: torch.Tensor,
+        decode_kernels: bool = False,
     ) -> torch.Tensor:
-        """Logits (len(keep), V) at packed positions ``keep``, in the model's dtype; ids, positions: (T,)."""
+        """Logits (len(keep), V) at packed positions ``keep``, in the model's dtype; ids, positions: (T,).
+
+        ``decode_kernels``: multiply as decode steps do, however many rows (no bfloat16 copies of
+        quantized weights, no other forward for long chunks), to score the weight format itself.
+        """
         self.kv_cache.begin_step(meta.slot_mapping)
-        if self.prefill_forward is not None and input_ids.shape[0] > PREFILL_FORWARD_ROWS:
+        long_chunk = input_ids.shape[0] > PREFILL_FORWARD_ROWS
+        if self.prefill_forward is not None and long_chunk and not decode_kernels:
             return self.prefill_forward(input_ids, position_ids, meta, keep)
         if self.lean_forward is not None:
-            return self.lean_forward(input_ids, position_ids, meta, keep)
+            return self.lean_forward(input_ids, position_ids, meta, keep, decode_kernels)
         out = self.model(
             input_ids=input_ids[None],
             position_ids=position_ids[None],

@@ -18,7 +18,8 @@ With a quantized weight format (``runtime/layers/weights.py``) the fused matrice
 from the weights as loaded (float32), and the model's own copies are released: only this forward
 can run such a model. The output head becomes a bfloat16 matrix with an int8 copy for a coarse
 first pass (``runtime/layers/rescored_head.py``). The products run in bfloat16; the residual
-stream and the norms stay float32.
+stream and the norms stay float32. Steps of many rows (prefill) multiply by bfloat16 copies of the
+quantized matrices where this machine runs those faster (``runtime/layers/wide_steps.py``).
 """
 
 from collections.abc import Sequence
@@ -38,6 +39,7 @@ from runtime.layers.weights import (
     QuantizedWeight,
     quantize,
 )
+from runtime.layers.wide_steps import WideCopies, WideMatrix, build_wide_copies
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 
@@ -75,6 +77,8 @@ class _Layer:
     gate_up_bias: torch.Tensor | None
     down_weight: "Matrix"
     down_bias: torch.Tensor | None
+    # Bfloat16 copies of the four quantized matrices, for steps of many rows (wide_steps.py).
+    wide: tuple[WideMatrix, WideMatrix, WideMatrix, WideMatrix] | None = None
 
 
 Matrix = torch.Tensor | QuantizedWeight | RescoredHead
@@ -102,6 +106,12 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
+def _four(matrices: list[WideMatrix], layer: int) -> tuple[WideMatrix, WideMatrix, WideMatrix, WideMatrix]:
+    """Layer ``layer``'s (qkv, o, gate_up, down) of matrices listed four per layer."""
+    first = 4 * layer
+    return (matrices[first], matrices[first + 1], matrices[first + 2], matrices[first + 3])
+
+
 def _release(linears: list[torch.nn.Linear]) -> None:
     """Drop the modules' weights once a packed copy holds them (an empty weight fails loudly if called)."""
     for lin in linears:
@@ -110,8 +120,14 @@ def _release(linears: list[torch.nn.Linear]) -> None:
 
 def _pack(
     model: Any, weights: str, tune_gemm: bool
-) -> tuple[Matrix, list[tuple[Matrix, Matrix, Matrix, Matrix]], list[tuple[torch.Tensor | None, ...]]]:
-    """The output head, each layer's (qkv, o, gate_up, down) matrices and its (qkv, gate_up) biases.
+) -> tuple[
+    Matrix,
+    list[tuple[Matrix, Matrix, Matrix, Matrix]],
+    list[tuple[torch.Tensor | None, ...]],
+    WideCopies | None,
+]:
+    """The output head, each layer's (qkv, o, gate_up, down) matrices and its (qkv, gate_up)
+    biases, and the bfloat16 copies for wide steps (``wide_steps.py``; quantized formats only).
 
     Float formats fuse in place (the modules become views); quantized ones quantize the fused
     float32 weights (or read them back from ``weight_cache.py``), release the modules' copies
@@ -131,10 +147,14 @@ def _pack(
         dense += [qkv_weight, attn.o_proj.weight, gate_up_weight, mlp.down_proj.weight]
         biases.append((qkv_bias, gate_up_bias))
     packed: Sequence[Matrix] = dense
+    wide = None
     if quantized:
-        packed = cached_quantize(
+        quantized_dense = cached_quantize(
             weights_key(dense, weights), len(dense), lambda: [quantize(w, weights) for w in dense]
         )
+        packed = quantized_dense
+        # Only with the GEMM plan on: the copies, like the plan, are a timed choice of form.
+        wide = build_wide_copies(quantized_dense, dense, enabled=tune_gemm)
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj]
@@ -148,7 +168,7 @@ def _pack(
                     lin.bias.data = lin.bias.data.to(ACTIVATION_DTYPE)
         biases = [tuple(None if b is None else b.to(ACTIVATION_DTYPE) for b in pair) for pair in biases]
     matrices = [(packed[i], packed[i + 1], packed[i + 2], packed[i + 3]) for i in range(0, len(packed), 4)]
-    return head, matrices, biases
+    return head, matrices, biases, wide
 
 
 class LlamaFamilyForward:
@@ -162,7 +182,7 @@ class LlamaFamilyForward:
         """
         config = model.config
         self.weights = weights or str(model.lm_head.weight.dtype).removeprefix("torch.")
-        self.lm_head_weight, matrices, biases = _pack(model, self.weights, tune_gemm)
+        self.lm_head_weight, matrices, biases, self.wide_copies = _pack(model, self.weights, tune_gemm)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -172,7 +192,10 @@ class LlamaFamilyForward:
         self.final_norm_eps = model.model.norm.variance_epsilon
         self.lm_head_bias = model.lm_head.bias
         self.layers: list[_Layer] = []
-        for layer, four, (qkv_bias, gate_up_bias) in zip(model.model.layers, matrices, biases, strict=True):
+        wide = self.wide_copies.matrices if self.wide_copies is not None else None
+        for i, (layer, four, (qkv_bias, gate_up_bias)) in enumerate(
+            zip(model.model.layers, matrices, biases, strict=True)
+        ):
             attn, mlp = layer.self_attn, layer.mlp
             qkv_weight, o_weight, gate_up_weight, down_weight = four
             self.layers.append(
@@ -190,6 +213,7 @@ class LlamaFamilyForward:
                     gate_up_bias=gate_up_bias,
                     down_weight=down_weight,
                     down_bias=mlp.down_proj.bias,
+                    wide=None if wide is None else _four(wide, i),
                 )
             )
         self.scaling = model.model.layers[0].self_attn.scaling
@@ -206,6 +230,17 @@ class LlamaFamilyForward:
         """Every weight this forward multiplies by, for the GEMM plan to time."""
         per_layer = [(la.qkv_weight, la.o_weight, la.gate_up_weight, la.down_weight) for la in self.layers]
         return [w for ws in per_layer for w in ws] + [self.lm_head_weight]
+
+    @property
+    def wide_rows(self) -> int | None:
+        """The fewest rows a step multiplies by the bfloat16 copies; None: always the kernels."""
+        return None if self.wide_copies is None else self.wide_copies.min_rows
+
+    def release_wide_copies(self) -> None:
+        """Free the copies (another forward reads this model's long chunks): every step uses the kernels."""
+        self.wide_copies = None
+        for layer in self.layers:
+            layer.wide = None
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of matrices one decode step reads (all of them, the head included; embedding rows aside)."""
@@ -227,10 +262,20 @@ class LlamaFamilyForward:
 
     @torch.inference_mode()
     def __call__(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata, keep: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        keep: torch.Tensor,
+        decode_kernels: bool = False,
     ) -> torch.Tensor:
-        """Logits (len(keep), V) at packed positions ``keep``; ``input_ids``, ``position_ids``: (T,)."""
+        """Logits (len(keep), V) at packed positions ``keep``; ``input_ids``, ``position_ids``: (T,).
+
+        A step of at least :attr:`wide_rows` rows multiplies by the bfloat16 copies, unless
+        ``decode_kernels`` asks for the kernels decode steps use (to score the format itself).
+        """
         num_tokens = input_ids.shape[0]
+        wide = not decode_kernels and self.wide_rows is not None and num_tokens >= self.wide_rows
         h = F.embedding(input_ids, self.embed_weight).to(self.residual_dtype)  # (T, hidden)
         cos, sin = self.rotary(h[None].to(self.activation_dtype), position_ids[None])  # (1, T, D) each
         cos, sin = cos[0], sin[0]  # (T, D), broadcast over heads below
@@ -239,8 +284,13 @@ class LlamaFamilyForward:
         kwargs: dict[str, Any] = {METADATA_KWARG: meta}
         forms = self.gemm.forms_for(num_tokens)
         for layer in self.layers:
+            qkv_weight, o_weight, gate_up_weight, down_weight = (
+                layer.wide
+                if wide and layer.wide is not None
+                else (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
+            )
             x = self._rms_norm(h, layer.input_norm_weight, layer.input_norm_eps)
-            qkv = _linear(forms, x, layer.qkv_weight, layer.qkv_bias)  # (T, (H + 2*KVH) * D)
+            qkv = _linear(forms, x, qkv_weight, layer.qkv_bias)  # (T, (H + 2*KVH) * D)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(num_tokens, self.num_heads, self.head_dim).transpose(0, 1)  # (H, T, D)
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim).transpose(0, 1)  # (KVH, T, D)
@@ -250,18 +300,18 @@ class LlamaFamilyForward:
             attn, _ = paged_attention_forward(
                 layer.attention, q[None], k[None], v[None], None, scaling=self.scaling, **kwargs
             )  # (1, T, H, D)
-            h = h + _linear(forms, attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+            h = h + _linear(forms, attn.reshape(num_tokens, q_size), o_weight, layer.o_bias)
             x = self._rms_norm(h, layer.post_norm_weight, layer.post_norm_eps)
-            gate_up = _linear(forms, x, layer.gate_up_weight, layer.gate_up_bias)
+            gate_up = _linear(forms, x, gate_up_weight, layer.gate_up_bias)
             gate, up = gate_up.chunk(2, dim=-1)  # (T, I) each
-            h = h + _linear(forms, F.silu(gate) * up, layer.down_weight, layer.down_bias)
+            h = h + _linear(forms, F.silu(gate) * up, down_weight, layer.down_bias)
         h = self._rms_norm(h[keep], self.final_norm_weight, self.final_norm_eps)  # (n, hidden)
         head_forms = self.gemm.forms_for(h.shape[0])  # the head multiplies only the sampled rows
         return _linear(head_forms, h, self.lm_head_weight, self.lm_head_bias)  # (n, V)
 
 
 def _linear(
-    forms: dict[Shape, int], x: torch.Tensor, weight: Matrix, bias: torch.Tensor | None
+    forms: dict[Shape, int], x: torch.Tensor, weight: Matrix | WideMatrix, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``F.linear`` in the form the plan chose for this weight's shape, or a packed weight's kernel."""
     if isinstance(weight, torch.Tensor):

@@ -66,6 +66,9 @@ class DraftModelDrafter:
             and target_runner.lean_forward is not None
         ):
             runner.prefill_forward = target_runner.lean_forward
+            # Long chunks go to the target's forward: the draft's own bfloat16 copies for them
+            # would be a second copy of the model's weights.
+            runner.lean_forward.release_wide_copies()
 
     def propose(self, seqs: SequenceOf[Sequence], num_tokens: SequenceOf[int]) -> list[list[int]]:
         params = [SamplingParams(max_tokens=k, ignore_eos=True) for k in num_tokens]
