@@ -29,7 +29,7 @@ of :data:`CANDIDATE_ROWS`, and kept beside the GEMM plans: the threshold is the 
 which the copies are faster at that count and every larger one, or none at all (then no copies
 are built). The copies cost 2 bytes per weight (212 MB for the default model beside its 55 MB of
 int4 matrices), so they are built only when that fits :data:`MAX_MEMORY_SHARE` of the memory the
-system reports available. Building them costs about a second at every load of the default model
+system reports available. Building them costs about 0.7 s at every load of the default model
 (dequantizing and re-laying out 120 matrices); the timing, once per machine, about two more.
 """
 
