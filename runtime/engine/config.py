@@ -9,7 +9,7 @@ from runtime.engine.sampling import MAX_NUM_DRAFT_TOKENS, SPECULATE_MODES
 from runtime.engine.scheduler import SchedulerConfig
 from runtime.kv.quant import KV_DTYPES
 from runtime.layers.weights import QUANTIZED_FORMATS, check_weight_format
-from runtime.sizes import parse_size
+from runtime.sizes import available_memory_bytes, parse_size
 from runtime.speculation.drafter import DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_SPECULATE_MAX_BATCH
 
 DEFAULT_CPU_POOL_BYTES = 1024**3  # 1 GiB: ~23k tokens of SmolLM2 KV in fp32
@@ -116,11 +116,4 @@ class EngineConfig:
 
 
 def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 * 1024**3
+    return available_memory_bytes() or 4 * 1024**3

@@ -144,6 +144,14 @@ def keep_timing(path: Path, data: object) -> None:
         log.info("timing not kept at %s (%s)", path, exc)
 
 
+def kept_timing(path: Path) -> object | None:
+    """The JSON :func:`keep_timing` wrote to ``path``, or None where there is none to read."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _time_shape(weights: list[torch.Tensor]) -> tuple[int, ...]:
     """For each row bucket: the fastest form over every weight of this shape.
 

@@ -24,7 +24,7 @@ quantized matrices where this machine runs those faster (``runtime/layers/wide_s
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +82,7 @@ class _Layer:
 
 
 Matrix = torch.Tensor | QuantizedWeight | RescoredHead
+M = TypeVar("M")
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -106,10 +107,9 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
-def _four(matrices: list[WideMatrix], layer: int) -> tuple[WideMatrix, WideMatrix, WideMatrix, WideMatrix]:
-    """Layer ``layer``'s (qkv, o, gate_up, down) of matrices listed four per layer."""
-    first = 4 * layer
-    return (matrices[first], matrices[first + 1], matrices[first + 2], matrices[first + 3])
+def _by_layer(flat: Sequence[M]) -> list[tuple[M, M, M, M]]:
+    """Matrices listed four per layer (qkv, o, gate_up, down), as one tuple per layer."""
+    return [(flat[i], flat[i + 1], flat[i + 2], flat[i + 3]) for i in range(0, len(flat), 4)]
 
 
 def _release(linears: list[torch.nn.Linear]) -> None:
@@ -167,8 +167,7 @@ def _pack(
                 if lin.bias is not None:
                     lin.bias.data = lin.bias.data.to(ACTIVATION_DTYPE)
         biases = [tuple(None if b is None else b.to(ACTIVATION_DTYPE) for b in pair) for pair in biases]
-    matrices = [(packed[i], packed[i + 1], packed[i + 2], packed[i + 3]) for i in range(0, len(packed), 4)]
-    return head, matrices, biases, wide
+    return head, _by_layer(packed), biases, wide
 
 
 class LlamaFamilyForward:
@@ -192,9 +191,10 @@ class LlamaFamilyForward:
         self.final_norm_eps = model.model.norm.variance_epsilon
         self.lm_head_bias = model.lm_head.bias
         self.layers: list[_Layer] = []
-        wide = self.wide_copies.matrices if self.wide_copies is not None else None
-        for i, (layer, four, (qkv_bias, gate_up_bias)) in enumerate(
-            zip(model.model.layers, matrices, biases, strict=True)
+        copies = self.wide_copies
+        wides = _by_layer(copies.matrices) if copies is not None else [None] * len(matrices)
+        for layer, four, (qkv_bias, gate_up_bias), wide in zip(
+            model.model.layers, matrices, biases, wides, strict=True
         ):
             attn, mlp = layer.self_attn, layer.mlp
             qkv_weight, o_weight, gate_up_weight, down_weight = four
@@ -213,7 +213,7 @@ class LlamaFamilyForward:
                     gate_up_bias=gate_up_bias,
                     down_weight=down_weight,
                     down_bias=mlp.down_proj.bias,
-                    wide=None if wide is None else _four(wide, i),
+                    wide=wide,
                 )
             )
         self.scaling = model.model.layers[0].self_attn.scaling

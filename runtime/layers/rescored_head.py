@@ -19,13 +19,12 @@ timing costs about 2 s a load on a 2-core machine); the candidates' logits are t
 numbers either way.
 """
 
-import json
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from runtime.layers.gemm import ROW_BUCKETS, best_time, keep_timing, row_bucket, timing_path
+from runtime.layers.gemm import ROW_BUCKETS, best_time, keep_timing, kept_timing, row_bucket, timing_path
 from runtime.layers.weights import ACTIVATION_DTYPE, Int8Weight, quantize_int8
 
 NUM_CANDIDATES = 64
@@ -75,13 +74,10 @@ class RescoredHead:
     def _timed_int8_rows(self) -> tuple[bool, ...]:
         """Per row bucket, whether the int8 coarse pass is the faster here: read back, or timed and kept."""
         path = timing_path("rescored-head", [self.shape], self.exact.dtype)
-        try:
-            kept = json.loads(path.read_text())
-            if isinstance(kept, list) and len(kept) == len(ROW_BUCKETS):
-                if all(isinstance(v, bool) for v in kept):
-                    return tuple(kept)
-        except (OSError, ValueError):
-            pass
+        kept = kept_timing(path)
+        if isinstance(kept, list) and len(kept) == len(ROW_BUCKETS):
+            if all(isinstance(v, bool) for v in kept):
+                return tuple(kept)
         int8_rows = tuple(self._int8_is_faster(rows) for rows in ROW_BUCKETS)
         keep_timing(path, list(int8_rows))
         return int8_rows

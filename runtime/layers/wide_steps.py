@@ -33,7 +33,6 @@ system reports available. Building them costs about 0.7 s at every load of the d
 (dequantizing and re-laying out 120 matrices); the timing, once per machine, about two more.
 """
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,8 +42,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from runtime.layers.gemm import MIN_TUNED_ELEMENTS, Shape, best_time, keep_timing, timing_path
+from runtime.layers.gemm import MIN_TUNED_ELEMENTS, Shape, best_time, keep_timing, kept_timing, timing_path
 from runtime.layers.weights import ACTIVATION_DTYPE, Int4Weight, Int8Weight, QuantizedWeight
+from runtime.sizes import available_memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +150,8 @@ def build_wide_copies(
 
 def _read_min_rows(path: Path) -> int | None:
     """The kept threshold (0: never), or None where none was kept or it cannot be read."""
-    try:
-        value = json.loads(path.read_text())["min_rows"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    kept = kept_timing(path)
+    value = kept.get("min_rows") if isinstance(kept, dict) else None
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         return None
     return value
@@ -196,15 +194,3 @@ def _multiply_all(
 ) -> None:
     for m in matrices:
         m.matmul(inputs[m.shape[1]])
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo; None where the system does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
